@@ -1,0 +1,256 @@
+"""Weight-side V-ABFT encoding of ``B`` as Triton kernels, and the strided-batch helper.
+
+``triton_weight_side(b)`` computes exactly what ``sdc_guard.abft.weight_side`` defines
+(VABFT.md, "Checksum" and "Threshold"): ``Br[k, s]``, the per-segment aggregates ``P1``,
+``P2``, ``V`` of the per-(k, segment) mean and Bhatia-Davis extrema variance, the largest
+column 2-norm ``col_norm`` and the non-finite mask ``bad``, in two launches:
+
+1. ``_weight_partials_kernel``, grid ``(batch * nseg, k_chunks)``: each program reads a
+   ``[k_chunk, 256]`` slab of ``B`` once, in ``[BLOCK_K, 256]`` tiles, writes the ``Br`` rows
+   of its slab and its partial ``P1``/``P2``/``V`` sums and column sums of squares to a
+   small scratch buffer. Splitting K keeps the GPU busy when ``batch * nseg`` is small (a
+   4096-wide weight has only 16 segments) without atomics, so the result is deterministic.
+2. ``_weight_finish_kernel``, grid ``(batch * nseg,)``: adds the partials of the K chunks
+   in a fixed order, takes the square root and the segment maximum of the column norms,
+   and derives ``bad``.
+
+``B`` is read through its strides (``W.t()`` of an ``nn.Linear`` weight needs no copy); an
+integer stride equal to 1 is specialised by Triton, so loads coalesce along whichever of
+k or n is contiguous. Accumulation is fp32 throughout.
+
+The result differs from the torch reference only by float summation order (see
+``sdc_guard.kernels.vabft_triton`` for the tolerance this implies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from sdc_guard.abft import WeightSide, num_segments, segment_widths
+from sdc_guard.precision import SEGMENT
+
+#: Rows of B per tile of the partials kernel: a ``[32, 256]`` fp32 tile is 32 KiB of
+#: registers per program, small enough for four warps without spilling.
+WEIGHT_BLOCK_K = 32
+
+#: Programs the partials kernel aims for, so that K is split only when ``batch * nseg``
+#: alone cannot fill a large GPU (an H200 has 132 SMs). Not tuned on hardware.
+TARGET_PROGRAMS = 512
+
+#: Most batch dims a kernel walks (after merging dims that one stride can serve).
+MAX_BATCH_DIMS = 2
+
+#: Floating dtypes Triton loads that an operand of a check may have (bias, weight).
+TRITON_FLOAT_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+)
+
+
+def collapse_batch(
+    batch: Sequence[int], strides: Sequence[Sequence[int]]
+) -> tuple[list[int], list[list[int]]] | None:
+    """Merge the batch dims of several tensors into at most ``MAX_BATCH_DIMS`` strided dims.
+
+    ``batch`` is the common batch shape and ``strides[i]`` the batch strides of tensor
+    ``i`` (0 where it is broadcast). Adjacent dims merge when one stride serves both in
+    every tensor; size-1 dims are dropped. Returns ``(sizes, strides)`` padded to exactly
+    ``MAX_BATCH_DIMS`` dims (leading size-1 dims), or ``None`` when more would remain:
+    then no single kernel launch can walk the batch without a copy.
+
+    >>> collapse_batch([2, 3], [[3, 1], [0, 0]])
+    ([1, 6], [[0, 1], [0, 0]])
+    >>> collapse_batch([2, 3, 4], [[12, 4, 1], [0, 4, 0]]) is None
+    True
+    """
+    merged: list[tuple[int, list[int]]] = []
+    for dim, size in enumerate(batch):
+        if size == 1:
+            continue
+        current = [s[dim] for s in strides]
+        if merged and all(prev == cur * size for prev, cur in zip(merged[-1][1], current)):
+            merged[-1] = (merged[-1][0] * size, current)
+        else:
+            merged.append((size, current))
+    if len(merged) > MAX_BATCH_DIMS:
+        return None
+    while len(merged) < MAX_BATCH_DIMS:
+        merged.insert(0, (1, [0] * len(strides)))
+    sizes = [size for size, _ in merged]
+    per_tensor = [[st[i] for _, st in merged] for i in range(len(strides))]
+    return sizes, per_tensor
+
+
+def batch_strides(t: Tensor, batch: Sequence[int]) -> list[int]:
+    """Batch strides of ``t`` (``[..., R, C]``) seen as broadcast to ``batch`` (0 = broadcast)."""
+    return list(t.expand(*batch, *t.shape[-2:]).stride()[: len(batch)])
+
+
+def weight_rejects(b: Tensor, checksum_weight: Tensor | None = None) -> str | None:
+    """``None`` if ``triton_weight_side`` can encode ``b``, else why not (one line)."""
+    batch = list(b.shape[:-2])
+    if collapse_batch(batch, [batch_strides(b, batch)]) is None:
+        return f"b: batch dims {tuple(b.shape[:-2])} with strides {b.stride()[:-2]} need a copy"
+    if checksum_weight is not None and checksum_weight.dtype not in TRITON_FLOAT_DTYPES:
+        return f"checksum_weight: dtype {checksum_weight.dtype} is not one Triton loads"
+    if b.numel() == 0:
+        return "b is empty: nothing to encode"
+    return None
+
+
+def _k_chunk(k: int, programs: int, k_chunk: int | None) -> int:
+    """Rows of K per program of the partials kernel: a multiple of ``WEIGHT_BLOCK_K``."""
+    if k_chunk is None:
+        chunks = max(1, min(triton.cdiv(k, WEIGHT_BLOCK_K), triton.cdiv(TARGET_PROGRAMS, programs)))
+        k_chunk = triton.cdiv(k, chunks)
+    return max(WEIGHT_BLOCK_K, triton.cdiv(k_chunk, WEIGHT_BLOCK_K) * WEIGHT_BLOCK_K)
+
+
+@triton.jit
+def _weight_partials_kernel(
+    b_ptr, r_ptr, br_ptr, part_ptr, colsq_ptr,
+    K, N, nseg, k_chunk, n_chunks, n_batch, batch1,
+    stride_b0, stride_b1, stride_bk, stride_bn,
+    HAS_WEIGHT: tl.constexpr, SEG: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One ``[k_chunk, SEG]`` slab of B: Br rows, partial P1/P2/V and column sums of squares."""
+    pid = tl.program_id(0)
+    chunk = tl.program_id(1)
+    batch = pid // nseg
+    seg = pid % nseg
+    base = (batch // batch1).to(tl.int64) * stride_b0 + (batch % batch1).to(tl.int64) * stride_b1
+    cols = seg * SEG + tl.arange(0, SEG)
+    col_ok = cols < N
+    col_off = cols.to(tl.int64) * stride_bn
+    width = tl.minimum(N - seg * SEG, SEG).to(tl.float32)
+    if HAS_WEIGHT:
+        r = tl.load(r_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    p1 = tl.zeros((BLOCK_K,), tl.float32)
+    p2 = tl.zeros((BLOCK_K,), tl.float32)
+    v = tl.zeros((BLOCK_K,), tl.float32)
+    colsq = tl.zeros((SEG,), tl.float32)
+    k_start = chunk * k_chunk
+    k_end = tl.minimum(k_start + k_chunk, K)
+    br_base = br_ptr + batch.to(tl.int64) * K * nseg + seg
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_end
+        mask = k_ok[:, None] & col_ok[None, :]
+        x = tl.load(b_ptr + base + ks.to(tl.int64)[:, None] * stride_bk + col_off[None, :],
+                    mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            x = x * r[None, :]
+        row_sum = tl.sum(x, axis=1)
+        mu = tl.div_rn(row_sum, width)
+        hi = tl.where(k_ok, tl.max(tl.where(mask, x, -float("inf")), axis=1), 0.0)
+        lo = tl.where(k_ok, tl.min(tl.where(mask, x, float("inf")), axis=1), 0.0)
+        tl.store(br_base + ks.to(tl.int64) * nseg, row_sum, mask=k_ok)
+        p1 += tl.where(k_ok, tl.abs(mu), 0.0)
+        p2 += tl.where(k_ok, mu * mu, 0.0)
+        v += tl.where(k_ok, tl.abs((hi - mu) * (mu - lo)), 0.0)
+        colsq += tl.sum(x * x, axis=0)
+    part = (batch * n_chunks + chunk).to(tl.int64)
+    plane = n_batch.to(tl.int64) * n_chunks * nseg
+    tl.store(part_ptr + part * nseg + seg, tl.sum(p1, axis=0))
+    tl.store(part_ptr + plane + part * nseg + seg, tl.sum(p2, axis=0))
+    tl.store(part_ptr + 2 * plane + part * nseg + seg, tl.sum(v, axis=0))
+    tl.store(colsq_ptr + part * N + cols, colsq, mask=col_ok)
+
+
+@triton.jit
+def _weight_finish_kernel(
+    part_ptr, colsq_ptr, p1_ptr, p2_ptr, v_ptr, norm_ptr, bad_ptr,
+    N, nseg, n_chunks, n_batch,
+    SEG: tl.constexpr,
+):
+    """Add the K-chunk partials of one segment in a fixed order; norms, maximum and ``bad``."""
+    pid = tl.program_id(0)
+    batch = pid // nseg
+    seg = pid % nseg
+    cols = seg * SEG + tl.arange(0, SEG)
+    col_ok = cols < N
+    plane = n_batch.to(tl.int64) * n_chunks * nseg
+    p1 = 0.0
+    p2 = 0.0
+    v = 0.0
+    colsq = tl.zeros((SEG,), tl.float32)
+    for chunk in range(0, n_chunks):
+        part = (batch * n_chunks + chunk).to(tl.int64)
+        p1 += tl.load(part_ptr + part * nseg + seg)
+        p2 += tl.load(part_ptr + plane + part * nseg + seg)
+        v += tl.load(part_ptr + 2 * plane + part * nseg + seg)
+        colsq += tl.load(colsq_ptr + part * N + cols, mask=col_ok, other=0.0)
+    norm = tl.max(tl.where(col_ok, tl.sqrt_rn(colsq), 0.0), axis=0)
+    finite = (tl.abs(p1) < float("inf")) & (tl.abs(v) < float("inf"))
+    tl.store(p1_ptr + pid, p1)
+    tl.store(p2_ptr + pid, p2)
+    tl.store(v_ptr + pid, v)
+    tl.store(norm_ptr + pid, norm)
+    tl.store(bad_ptr + pid, (~finite).to(tl.uint8))
+
+
+def triton_weight_side(
+    b: Tensor, checksum_weight: Tensor | None = None, *, k_chunk: int | None = None
+) -> WeightSide:
+    """``abft.weight_side(b, checksum_weight)`` computed by two Triton launches.
+
+    ``b`` is ``[..., K, N]`` with any strides (batch dims that cannot be walked with two
+    strides raise ``ValueError``; ``weight_rejects`` says so beforehand). ``k_chunk``
+    overrides how many rows of K one program reduces (tests use it to exercise the
+    split-K path on small shapes). No host synchronisation; ``b`` is only read.
+
+    >>> ws = triton_weight_side(torch.ones(4, 300))  # doctest: +SKIP
+    >>> ws.br[0].tolist()  # doctest: +SKIP
+    [256.0, 44.0]
+    """
+    reason = weight_rejects(b, checksum_weight)
+    if reason is not None:
+        raise ValueError(reason)
+    k, n = b.shape[-2], b.shape[-1]
+    bshape = list(b.shape[:-2])
+    (_, batch1), (strides,) = collapse_batch(bshape, [batch_strides(b, bshape)])
+    n_batch = b[..., 0, 0].numel()
+    nseg = num_segments(n)
+    chunk = _k_chunk(k, n_batch * nseg, k_chunk)
+    n_chunks = triton.cdiv(k, chunk)
+    dev = b.device
+    br = torch.empty((*bshape, k, nseg), dtype=torch.float32, device=dev)
+    part = torch.empty((3, n_batch, n_chunks, nseg), dtype=torch.float32, device=dev)
+    colsq = torch.empty((n_batch, n_chunks, n), dtype=torch.float32, device=dev)
+    p1, p2, v, col_norm = (
+        torch.empty((*bshape, nseg), dtype=torch.float32, device=dev) for _ in range(4)
+    )
+    bad = torch.empty((*bshape, nseg), dtype=torch.bool, device=dev)
+    r = checksum_weight if checksum_weight is not None else b  # dummy pointer when unused
+    with _on_device(dev):
+        _weight_partials_kernel[(n_batch * nseg, n_chunks)](
+            b, r, br, part, colsq,
+            k, n, nseg, chunk, n_chunks, n_batch, batch1,
+            strides[0], strides[1], b.stride(-2), b.stride(-1),
+            HAS_WEIGHT=checksum_weight is not None, SEG=SEGMENT, BLOCK_K=WEIGHT_BLOCK_K,
+        )
+        _weight_finish_kernel[(n_batch * nseg,)](
+            part, colsq, p1, p2, v, col_norm, bad.view(torch.uint8),
+            n, nseg, n_chunks, n_batch, SEG=SEGMENT,
+        )
+    return WeightSide(br, p1, p2, v, col_norm, bad, segment_widths(n, dev), k, n)
+
+
+class _on_device:
+    """``torch.cuda.device(dev)`` for CUDA tensors (Triton launches on the current
+    device), a no-op otherwise (CPU tensors under ``TRITON_INTERPRET=1``)."""
+
+    def __init__(self, dev: torch.device) -> None:
+        self._ctx = torch.cuda.device(dev) if dev.type == "cuda" else None
+
+    def __enter__(self) -> None:
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)

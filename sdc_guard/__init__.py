@@ -1,0 +1,29 @@
+"""sdc-guard: catch silent data corruption in PyTorch matmuls, keep training correct.
+
+>>> import torch, sdc_guard
+>>> a, b = torch.randn(4, 64), torch.randn(64, 32)
+>>> sdc_guard.verify_matmul(a, b, a @ b).ok
+True
+"""
+
+from __future__ import annotations
+
+from . import backends, legacy
+from .abft import decode_comp_row, encode_comp_row
+from .precision import default_e_max, set_default_e_max
+from .verify import Verdict, abft_verify, matmul_checksum, verify_matmul
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Verdict",
+    "abft_verify",
+    "backends",
+    "decode_comp_row",
+    "default_e_max",
+    "encode_comp_row",
+    "legacy",
+    "matmul_checksum",
+    "set_default_e_max",
+    "verify_matmul",
+]

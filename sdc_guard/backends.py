@@ -1,0 +1,193 @@
+"""Backend registry and dispatch: one entry point, the best implementation per call.
+
+Order of preference (VABFT.md, issue "Foundation"): the Ascend operator where it exists,
+the fused Triton kernel on CUDA, portable PyTorch everywhere. Each backend says whether
+this process can use it (``unavailable_reason``) and whether it accepts a given call
+(``rejects``); a call is served by an explicit ``backend=`` / ``SDC_GUARD_BACKEND``, else
+by the first backend that is available and accepts it. A call nobody can serve fails with
+every backend's reason, never silently.
+
+>>> from sdc_guard import backends
+>>> "torch" in backends.available()
+True
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .abft import AbftCheck, WeightSide, vabft_check
+
+ENV_BACKEND = "SDC_GUARD_BACKEND"
+
+
+@dataclass(frozen=True)
+class GemmRequest:
+    """One validated verification call: ``c == alpha * a @ b + beta * bias``."""
+
+    a: Tensor
+    b: Tensor
+    c: Tensor
+    e_max: float
+    checksum_weight: Tensor | None = None
+    bias: Tensor | None = None
+    alpha: float = 1.0
+    beta: float = 1.0
+    weight: WeightSide | None = None  #: cached weight-side encoding of ``b``, if any
+
+    @property
+    def device(self) -> torch.device:
+        return self.c.device
+
+
+class Backend:
+    """A verification implementation. Subclasses override the three methods."""
+
+    name: str = "?"
+
+    def unavailable_reason(self) -> str | None:
+        """``None`` if this process can use the backend, else why not (one line)."""
+        return None
+
+    def rejects(self, req: GemmRequest) -> str | None:
+        """``None`` if the backend's contract covers ``req``, else why not (one line)."""
+        return None
+
+    def check(self, req: GemmRequest) -> AbftCheck:
+        """Verify ``req``; must not write to any input nor synchronise with the host."""
+        raise NotImplementedError
+
+
+class TorchBackend(Backend):
+    """Portable PyTorch (``sdc_guard.abft``): any device, any layout; the reference."""
+
+    name = "torch"
+
+    def check(self, req: GemmRequest) -> AbftCheck:
+        return vabft_check(
+            req.a, req.b, req.c, req.checksum_weight, e_max=req.e_max, bias=req.bias,
+            alpha=req.alpha, beta=req.beta, weight=req.weight,
+        )
+
+
+class TritonBackend(Backend):
+    """The fused Triton kernel of ``sdc_guard.kernels`` for CUDA tensors.
+
+    ``device_type`` exists so that tests can drive the kernel on CPU tensors under
+    ``TRITON_INTERPRET=1``; production use is the default, ``"cuda"``.
+    """
+
+    name = "triton"
+
+    def __init__(self, device_type: str = "cuda") -> None:
+        self.device_type = device_type
+
+    def unavailable_reason(self) -> str | None:
+        try:
+            from .kernels import vabft_triton  # noqa: F401  (imports triton)
+        except ImportError as exc:
+            return f"triton kernel not importable: {exc}"
+        if self.device_type == "cuda" and not torch.cuda.is_available():
+            return "no CUDA device"
+        return None
+
+    def rejects(self, req: GemmRequest) -> str | None:
+        if req.device.type != self.device_type:
+            return f"tensors are on {req.device.type}, the kernel runs on {self.device_type}"
+        from .kernels import vabft_triton
+
+        return vabft_triton.rejects(req)
+
+    def check(self, req: GemmRequest) -> AbftCheck:
+        from .kernels import vabft_triton
+
+        return vabft_triton.triton_check(req)
+
+
+_registry: list[Backend] = []
+
+
+def register(backend: Backend, *, first: bool = False) -> None:
+    """Add ``backend`` (replacing one of the same name); ``first`` puts it in front.
+
+    Used to plug in an out-of-tree implementation, and by the tests to put a stand-in
+    Ascend operator where ``torch_npu`` would be.
+    """
+    unregister(backend.name)
+    if first:
+        _registry.insert(0, backend)
+    else:
+        _registry.append(backend)
+
+
+def unregister(name: str) -> Backend | None:
+    """Remove and return the backend called ``name`` (``None`` if there is none)."""
+    for i, backend in enumerate(_registry):
+        if backend.name == name:
+            return _registry.pop(i)
+    return None
+
+
+def get(name: str) -> Backend:
+    """The registered backend called ``name``; ``ValueError`` listing the names if none."""
+    for backend in _registry:
+        if backend.name == name:
+            return backend
+    names = ", ".join(repr(b.name) for b in _registry)
+    raise ValueError(f"backend: expected one of {names}, got {name!r}")
+
+
+def registered() -> list[str]:
+    """Names of all registered backends, in order of preference."""
+    return [b.name for b in _registry]
+
+
+def status() -> dict[str, str | None]:
+    """Each backend's unavailability reason (``None`` = usable in this process).
+
+    >>> status()["torch"] is None
+    True
+    """
+    return {b.name: b.unavailable_reason() for b in _registry}
+
+
+def available() -> list[str]:
+    """Names of the backends this process can use, in order of preference."""
+    return [name for name, reason in status().items() if reason is None]
+
+
+def select(req: GemmRequest, backend: str | None = None) -> Backend:
+    """The backend that serves ``req``: explicit, else ``$SDC_GUARD_BACKEND``, else first fit.
+
+    Raises ``RuntimeError`` naming the reasons when no backend can serve the call.
+    """
+    name = backend if backend is not None else os.environ.get(ENV_BACKEND) or None
+    if name is not None:
+        chosen = get(name)
+        reason = chosen.unavailable_reason() or chosen.rejects(req)
+        if reason:
+            source = "backend" if backend is not None else ENV_BACKEND
+            raise RuntimeError(f"{source}={name!r} cannot verify this call: {reason}")
+        return chosen
+    reasons = []
+    for candidate in _registry:
+        reason = candidate.unavailable_reason() or candidate.rejects(req)
+        if reason is None:
+            return candidate
+        reasons.append(f"{candidate.name}: {reason}")
+    raise RuntimeError("no backend can verify this call: " + "; ".join(reasons))
+
+
+def _register_defaults() -> None:
+    from .npu import NpuBackend
+
+    register(NpuBackend())
+    register(TritonBackend())
+    register(TorchBackend())
+
+
+_register_defaults()

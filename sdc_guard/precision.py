@@ -1,0 +1,133 @@
+"""Floating-point facts V-ABFT needs per dtype, and the default ``e_max`` table.
+
+Why a module of its own: the same ``e_max`` must mean the same thing on every backend
+(VABFT.md), so the constants that turn ``e_max`` into a threshold live in one place that
+the torch backend, the NPU bridge and the Triton kernel all read.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+
+#: Absolute rounding step near zero (smallest subnormal) of the dtype C was stored in.
+TINY: dict[torch.dtype, float] = {
+    torch.float16: 2.0**-24,
+    torch.bfloat16: 2.0**-133,
+    torch.float32: 2.0**-149,
+}
+
+#: Unit roundoff of C's dtype, for the bias part of the threshold.
+UNIT_ROUNDOFF: dict[torch.dtype, float] = {
+    torch.bfloat16: 2.0**-8,
+    torch.float16: 2.0**-11,
+    torch.float32: 2.0**-24,
+}
+
+#: VABFT.md default ``e_max`` by input dtype (fp32 computed at full precision).
+DEFAULT_E_MAX: dict[torch.dtype, float] = {
+    torch.bfloat16: 1e-3,
+    torch.float16: 1e-3,
+    torch.float32: 2e-5,
+}
+
+#: fp32 whose product was rounded like a 10-bit-mantissa format (TF32 and friends).
+REDUCED_FP32_E_MAX = 1e-3
+
+#: Segment width S: columns per checksum segment.
+SEGMENT = 256
+
+#: Robustness constant ``c`` of the shipping NPU operator's threshold.
+C_ROBUST = 4.0
+
+_overrides: dict[torch.dtype, float] = {}
+
+
+def check_dtype(name: str, dtype: torch.dtype) -> None:
+    """Raise ``TypeError`` naming ``name`` unless ``dtype`` is one V-ABFT supports.
+
+    >>> check_dtype("a", torch.float32)
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{name}: expected dtype bfloat16, float16 or float32, got {dtype}"
+        )
+
+
+def fp32_matmul_is_reduced(device: torch.device | str = "cpu") -> bool:
+    """True when fp32 matmuls on ``device`` may be rounded like TF32 / bf16.
+
+    Reads the global knobs PyTorch itself reads: ``torch.backends.cuda.matmul.allow_tf32``
+    for CUDA and ``torch.get_float32_matmul_precision()`` everywhere.
+
+    >>> fp32_matmul_is_reduced("cpu") in (True, False)
+    True
+    """
+    device = torch.device(device)
+    if torch.get_float32_matmul_precision() != "highest":
+        return True
+    return device.type == "cuda" and bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+def set_default_e_max(dtype: torch.dtype, e_max: float | None) -> None:
+    """Override the process-wide default ``e_max`` for ``dtype`` (``None`` removes it).
+
+    The override is what a calibration on the user's hardware recommends (``sdc-guard
+    bench calibrate``); a per-call ``e_max=`` still wins over it.
+
+    >>> set_default_e_max(torch.bfloat16, 2e-3); default_e_max(torch.bfloat16)
+    0.002
+    >>> set_default_e_max(torch.bfloat16, None)
+    """
+    check_dtype("dtype", dtype)
+    if e_max is None:
+        _overrides.pop(dtype, None)
+        return
+    check_e_max(e_max)
+    _overrides[dtype] = float(e_max)
+
+
+def check_e_max(e_max: float) -> float:
+    """Return ``e_max`` as a float, or raise ``ValueError``/``TypeError`` naming it.
+
+    >>> check_e_max(1e-3)
+    0.001
+    """
+    if isinstance(e_max, bool) or not isinstance(e_max, (int, float)):
+        raise TypeError(f"e_max: expected a non-negative float, got {type(e_max).__name__}")
+    if not math.isfinite(e_max) or e_max < 0:
+        raise ValueError(f"e_max: expected a finite non-negative float, got {e_max!r}")
+    return float(e_max)
+
+
+def default_e_max(dtype: torch.dtype, device: torch.device | str = "cpu") -> float:
+    """The ``e_max`` used when a call passes none: override, else the VABFT.md table.
+
+    >>> default_e_max(torch.float32, "cpu") in (2e-5, 1e-3)
+    True
+    """
+    check_dtype("dtype", dtype)
+    if dtype in _overrides:
+        return _overrides[dtype]
+    if dtype == torch.float32 and fp32_matmul_is_reduced(device):
+        return REDUCED_FP32_E_MAX
+    return DEFAULT_E_MAX[dtype]
+
+
+def resolve_e_max(e_max: float | None, dtype: torch.dtype, device: torch.device) -> float:
+    """``e_max`` if given (validated), else the default for ``dtype`` on ``device``."""
+    if e_max is None:
+        return default_e_max(dtype, device)
+    return check_e_max(e_max)
+
+
+def overflow_limit(dtype: torch.dtype) -> float:
+    """Magnitude above which a product may legitimately overflow C or the fp32 checksum.
+
+    The checksum adds up to ``SEGMENT`` elements in fp32, so anything above
+    ``float32.max / SEGMENT`` may overflow the checksum even when C is finite.
+    """
+    return min(torch.finfo(dtype).max, torch.finfo(torch.float32).max / SEGMENT)

@@ -1,0 +1,286 @@
+"""Public verification entry points: ``verify_matmul``, ``abft_verify``, ``matmul_checksum``.
+
+``abft_verify`` is the operator-shaped primitive (the Ascend ``comp_row`` contract,
+registered as a ``torch.library`` custom op so FakeTensor / meta tensors get its shape).
+``verify_matmul`` is the rich entry point: it classifies every failed segment as
+corruption, a legitimate overflow or unverifiable, and may synchronise with the host to
+do so (the dispatch mode uses the device-only ``AbftCheck`` instead).
+
+Operands are validated here, once, with errors that name the argument, what was expected
+and what was received; the backends trust what they are given.
+"""
+
+from dataclasses import dataclass
+from numbers import Real
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import backends
+from .abft import AbftCheck, encode_comp_row, num_segments, segment_reduce
+from .backends import GemmRequest
+from .precision import SEGMENT, check_dtype, resolve_e_max
+
+KINDS = ("ok", "sdc", "overflow", "unverifiable")
+
+
+def _check_tensor(name: str, value: object) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _check_scalar(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__}")
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name}: expected a finite number, got {value!r}")
+    return value
+
+
+def check_operands(
+    a: object,
+    b: object,
+    c: object,
+    *,
+    checksum_weight: object = None,
+    bias: object = None,
+    alpha: object = 1.0,
+    beta: object = 1.0,
+) -> None:
+    """Raise ``TypeError`` / ``ValueError`` unless ``c = alpha * a @ b + beta * bias`` is well-formed.
+
+    >>> check_operands(torch.ones(2, 3), torch.ones(3, 4), torch.ones(2, 4))
+    >>> check_operands(torch.ones(2, 3), torch.ones(4, 4), torch.ones(2, 4))
+    Traceback (most recent call last):
+    ...
+    ValueError: b: expected 3 rows (a has 3 columns), got shape (4, 4)
+    """
+    a, b, c = _check_tensor("a", a), _check_tensor("b", b), _check_tensor("c", c)
+    for name, t in (("a", a), ("b", b), ("c", c)):
+        check_dtype(name, t.dtype)
+        if t.dim() < 2:
+            raise ValueError(f"{name}: expected at least 2 dims [..., rows, cols], got shape {tuple(t.shape)}")
+    if b.dtype != a.dtype:
+        raise TypeError(f"b: expected dtype {a.dtype} (the dtype of a), got {b.dtype}")
+    for name, t in (("b", b), ("c", c)):
+        if t.device != a.device:
+            raise ValueError(f"{name}: expected device {a.device} (the device of a), got {t.device}")
+    if b.shape[-2] != a.shape[-1]:
+        raise ValueError(
+            f"b: expected {a.shape[-1]} rows (a has {a.shape[-1]} columns), got shape {tuple(b.shape)}"
+        )
+    try:
+        batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except RuntimeError:
+        raise ValueError(
+            f"b: batch dims {tuple(b.shape[:-2])} do not broadcast with a's {tuple(a.shape[:-2])}"
+        ) from None
+    expected = (*batch, a.shape[-2], b.shape[-1])
+    if tuple(c.shape) != expected:
+        raise ValueError(f"c: expected shape {expected} for a @ b, got {tuple(c.shape)}")
+    if checksum_weight is not None:
+        w = _check_tensor("checksum_weight", checksum_weight)
+        if w.dim() != 1 or w.shape[0] != b.shape[-1]:
+            raise ValueError(f"checksum_weight: expected shape ({b.shape[-1]},), got {tuple(w.shape)}")
+        if not w.is_floating_point():
+            raise TypeError(f"checksum_weight: expected a floating dtype, got {w.dtype}")
+        if w.device != a.device:
+            raise ValueError(f"checksum_weight: expected device {a.device}, got {w.device}")
+    if bias is not None:
+        bias_t = _check_tensor("bias", bias)
+        if not bias_t.is_floating_point():
+            raise TypeError(f"bias: expected a floating dtype, got {bias_t.dtype}")
+        if bias_t.device != a.device:
+            raise ValueError(f"bias: expected device {a.device}, got {bias_t.device}")
+        try:
+            if torch.broadcast_shapes(bias_t.shape, c.shape) != c.shape:
+                raise RuntimeError
+        except RuntimeError:
+            raise ValueError(f"bias: expected a shape broadcastable to {tuple(c.shape)}, got {tuple(bias_t.shape)}") from None
+    _check_scalar("alpha", alpha)
+    _check_scalar("beta", beta)
+
+
+def make_request(
+    a: Tensor, b: Tensor, c: Tensor, *, checksum_weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None, alpha: float = 1.0, beta: float = 1.0,
+    e_max: Optional[float] = None,
+) -> GemmRequest:
+    """Validate the operands and resolve ``e_max`` into a ``GemmRequest``."""
+    check_operands(a, b, c, checksum_weight=checksum_weight, bias=bias, alpha=alpha, beta=beta)
+    return GemmRequest(
+        a, b, c, resolve_e_max(e_max, a.dtype, a.device), checksum_weight=checksum_weight,
+        bias=bias, alpha=float(alpha), beta=float(beta),
+    )
+
+
+# --- abft_verify: the operator-shaped custom op ------------------------------------------
+
+def _comp_row_shape(a: Tensor, b: Tensor, c: Tensor) -> tuple[int, ...]:
+    return (*c.shape[:-2], -(-a.shape[-2] // 8) * num_segments(b.shape[-1]))
+
+
+@torch.library.custom_op("sdc_guard::abft_verify", mutates_args=())
+def _abft_verify_op(
+    a: Tensor, b: Tensor, c: Tensor, checksum_weight: Optional[Tensor], e_max: float
+) -> Tensor:
+    req = GemmRequest(a, b, c, e_max, checksum_weight=checksum_weight)
+    check = backends.select(req).check(req)
+    return encode_comp_row(check.ok)
+
+
+@_abft_verify_op.register_fake
+def _abft_verify_fake(
+    a: Tensor, b: Tensor, c: Tensor, checksum_weight: Optional[Tensor], e_max: float
+) -> Tensor:
+    return a.new_empty(_comp_row_shape(a, b, c), dtype=torch.uint8)
+
+
+def abft_verify(
+    a: Tensor, b: Tensor, c: Tensor, checksum_weight: Optional[Tensor] = None, *,
+    e_max: Optional[float] = None,
+) -> Tensor:
+    """V-ABFT check of ``c == a @ b`` as the Ascend operator's ``comp_row`` bitstream.
+
+    uint8 ``[..., ceil(M/8) * ceil(N/256)]``: byte ``s * ceil(M/8) + m // 8``, bit
+    ``m % 8`` (LSB first, segment-major), 1 = OK, 0 = error, padding bits 1. Batched
+    operands give one stream per batch element. Works on meta / fake tensors (shape only).
+
+    >>> a, b = torch.randn(10, 64), torch.randn(64, 300)
+    >>> abft_verify(a, b, a @ b).tolist()
+    [255, 255, 255, 255]
+    """
+    req = make_request(a, b, c, checksum_weight=checksum_weight, e_max=e_max)
+    return torch.ops.sdc_guard.abft_verify(a, b, c, checksum_weight, req.e_max)
+
+
+# --- verify_matmul: the rich entry point -------------------------------------------------
+
+@dataclass
+class Verdict:
+    """What ``verify_matmul`` found. Masks are bool ``[..., M, ceil(N/256)]``.
+
+    ``ok`` is True when no corruption was detected (a legitimate overflow or an
+    unverifiable segment is not corruption); ``kind`` says which case applies, with
+    ``"sdc"`` > ``"overflow"`` > ``"unverifiable"`` > ``"ok"`` when several do.
+    """
+
+    ok: bool
+    kind: str
+    flags: Tensor  #: True where corruption was detected
+    overflow: Tensor  #: True where a non-finite result is a legitimate overflow
+    unverifiable: Tensor  #: True where non-finite inputs (or a checksum overflow) prevent a verdict
+    ratio: float  #: worst D/T over verified segments (nan when the backend reports no D)
+    backend: str  #: the backend that really ran
+    e_max: float
+
+    @property
+    def rows(self) -> list[int]:
+        """Row indices (within the last two dims) with at least one flagged segment."""
+        return torch.nonzero(self.flags.reshape(-1, *self.flags.shape[-2:]).any(0).any(-1)).flatten().tolist()
+
+
+def _exact_overflows(req: GemmRequest, cand: Tensor) -> tuple[Tensor, Tensor]:
+    """Settle candidate segments that hold non-finite C by exact fp64 recomputation.
+
+    Returns ``(overflow, c_nonfinite)``: ``overflow`` where every non-finite element of the
+    segment is a real overflow of C's dtype, ``c_nonfinite`` where there is one at all.
+    O(K) per non-finite element.
+    """
+    c = req.c
+    segment_of_col = torch.arange(c.shape[-1], device=c.device) // SEGMENT
+    bad_elems = ~torch.isfinite(c) & cand[..., segment_of_col]
+    idx = torch.nonzero(bad_elems)
+    batch, m, n = idx[:, :-2], idx[:, -2], idx[:, -1]
+    a = req.a.expand(*c.shape[:-2], *req.a.shape[-2:])
+    b = req.b.expand(*c.shape[:-2], *req.b.shape[-2:])
+    bidx = tuple(batch.T)
+    rows = a[(*bidx, m)].double()
+    cols = b[(*bidx, slice(None), n)].double() if bidx else b[:, n].T.double()
+    true = (rows * cols).sum(-1) * req.alpha
+    if req.bias is not None and req.beta != 0.0:
+        bias = req.bias.expand(c.shape)
+        true = true + req.beta * bias[(*bidx, m, n)].double()
+    genuine = true.abs() > torch.finfo(c.dtype).max * (1 - 2.0**-10)
+    not_overflow = torch.zeros(cand.shape, dtype=torch.int32, device=c.device)
+    not_overflow.index_put_((*bidx, m, n // SEGMENT), (~genuine).int(), accumulate=True)
+    has_bad = torch.zeros(cand.shape, dtype=torch.int32, device=c.device)
+    has_bad.index_put_((*bidx, m, n // SEGMENT), torch.ones_like(m, dtype=torch.int32), accumulate=True)
+    return (has_bad > 0) & (not_overflow == 0), (has_bad > 0)
+
+
+def classify(req: GemmRequest, check: AbftCheck) -> tuple[Tensor, Tensor, Tensor]:
+    """Split failed segments into (corruption, overflow, unverifiable) masks, exactly.
+
+    Host-synchronising; only does real work when some segment failed.
+    """
+    inputs_bad = check.inputs_bad
+    failed = ~check.ok & ~inputs_bad
+    empty = torch.zeros_like(failed)
+    if not bool(failed.any()):
+        return empty, empty, inputs_bad.clone()
+    overflow, c_nonfinite = _exact_overflows(req, failed)
+    sdc = failed & ~overflow
+    unverifiable = inputs_bad.clone()
+    if check.diff is not None:
+        # D non-finite over an all-finite C segment: the fp32 checksum itself overflowed.
+        checksum_overflow = failed & ~c_nonfinite & ~torch.isfinite(check.diff)
+        sdc &= ~checksum_overflow
+        unverifiable |= checksum_overflow
+    return sdc, overflow & failed, unverifiable
+
+
+def verify_matmul(
+    a: Tensor, b: Tensor, c: Tensor, *, bias: Optional[Tensor] = None, alpha: float = 1,
+    beta: float = 1, e_max: Optional[float] = None, backend: Optional[str] = None,
+    checksum_weight: Optional[Tensor] = None,
+) -> Verdict:
+    """Verify ``c == alpha * a @ b + beta * bias`` and say what is wrong, where.
+
+    2-D or batched (broadcast batch dims) bf16 / fp16 / fp32 operands in any layout
+    (``W.t()`` is read through its strides); ``bias`` broadcastable to ``c``.
+
+    >>> a, b = torch.randn(4, 64), torch.randn(64, 300)
+    >>> c = a @ b
+    >>> verify_matmul(a, b, c).kind
+    'ok'
+    >>> bad = c.clone(); bad[2, 5] += 1e4
+    >>> v = verify_matmul(a, b, bad); v.kind, v.rows
+    ('sdc', [2])
+    """
+    req = make_request(a, b, c, checksum_weight=checksum_weight, bias=bias, alpha=alpha,
+                       beta=beta, e_max=e_max)
+    chosen = backends.select(req, backend)
+    check = chosen.check(req)
+    flags, overflow, unverifiable = classify(req, check)
+    if bool(flags.any()):
+        kind = "sdc"
+    elif bool(overflow.any()):
+        kind = "overflow"
+    elif bool(unverifiable.any()):
+        kind = "unverifiable"
+    else:
+        kind = "ok"
+    ratio = float("nan")
+    if check.diff is not None and check.threshold is not None:
+        verified = ~unverifiable & ~overflow & torch.isfinite(check.diff)
+        if bool(verified.any()):
+            ratio = float((check.diff / check.threshold)[verified].max())
+    return Verdict(kind != "sdc", kind, flags, overflow, unverifiable, ratio, chosen.name, req.e_max)
+
+
+def matmul_checksum(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+    """Drop-in for ``torch_npu.matmul_checksum``: 0-dim bool tensor, True = anomaly.
+
+    Read-only (the legacy path's in-place "self-heal" is gone) and synchronisation-free:
+    a failed segment that may be a legitimate overflow is not reported as an anomaly.
+
+    >>> a, b = torch.randn(8, 64), torch.randn(64, 32)
+    >>> bool(matmul_checksum(a, b, a @ b))
+    False
+    """
+    req = make_request(a, b, c)
+    return backends.select(req).check(req).sdc.any()

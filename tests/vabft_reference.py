@@ -1,0 +1,151 @@
+"""Independent float64 NumPy implementation of ``docs/VABFT.md`` (2-D only).
+
+Why it exists: ``sdc_guard.abft`` computes V-ABFT in fp32 PyTorch, and the NPU stand-in
+needs the operator's math without PyTorch kernels. Writing the formulas a second time, in
+float64, straight from the specification and without importing ``sdc_guard``, gives the
+tests a yardstick whose own rounding is ~1e-16 relative, far below anything fp32 does.
+
+Two readings of the specification had to be made; both are stated where they are used:
+
+- ``alpha`` scales the variance-adaptive part of ``T`` by ``|alpha|`` (the threshold
+  bounds the rounding of ``alpha * (A @ B)``); the underflow floor ``T_abs`` is not scaled.
+  VABFT.md says how ``alpha`` enters ``D`` but not ``T``.
+- the bias rounding term weighs each column by ``|r[n]|``: ``2 u_C sum |beta r[n] bias|``.
+  VABFT.md writes ``sum |beta * bias|``; the two coincide for the default all-ones ``r``,
+  and only the weighted form bounds the rounding of ``sum r * out`` when ``|r| > 1``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+#: Columns per checksum segment (VABFT.md, "Checksum").
+SEGMENT = 256
+#: Robustness constant ``c`` of the shipping NPU operator's threshold.
+C_ROBUST = 4.0
+#: Smallest subnormal of C's dtype: the underflow floor ``T_abs = n_s * tiny``.
+TINY = {"float16": 2.0**-24, "bfloat16": 2.0**-133, "float32": 2.0**-149}
+#: Unit roundoff of C's dtype, for the bias rounding term.
+UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24}
+
+
+@dataclass(frozen=True)
+class ReferenceCheck:
+    """Per-(row, segment) float64 results, each ``[M, nseg]``."""
+
+    diff: np.ndarray  #: ``D``
+    threshold: np.ndarray  #: ``T``
+    ok: np.ndarray  #: bool: ``D <= T`` and ``D`` finite
+
+
+def as_f64(x: Any) -> np.ndarray:
+    """A float64 NumPy copy of ``x`` (a torch tensor of any float dtype, or array-like).
+
+    Duck-typed so that this module never imports torch: bf16 has no NumPy dtype, so a
+    tensor is widened to float64 by its own ``.double()`` first (exact for every dtype).
+    """
+    if hasattr(x, "detach"):
+        return x.detach().double().cpu().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def dtype_name(dtype: Any) -> str:
+    """``"bfloat16"`` for ``torch.bfloat16`` or ``"bfloat16"``; keys of ``TINY``."""
+    name = str(dtype).rsplit(".", 1)[-1]
+    if name not in TINY:
+        raise ValueError(f"c_dtype: expected float16, bfloat16 or float32, got {dtype!r}")
+    return name
+
+
+def segments(n: int) -> list[slice]:
+    """Column ranges of the ``ceil(n / 256)`` segments (the last one may be short)."""
+    return [slice(start, min(start + SEGMENT, n)) for start in range(0, n, SEGMENT)]
+
+
+def extrema_variance(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and Bhatia-Davis variance ``|(max - mu)(mu - min)|`` along ``axis``.
+
+    An empty axis (K = 0) has no statistics; both are 0 so that the threshold is the
+    underflow floor alone, which is what an exact ``0 = sum of nothing`` deserves.
+    """
+    if x.shape[axis] == 0:
+        shape = np.delete(np.array(x.shape), axis)
+        return np.zeros(shape), np.zeros(shape)
+    mu = x.mean(axis=axis)
+    var = np.abs((x.max(axis=axis) - mu) * (mu - x.min(axis=axis)))
+    return mu, var
+
+
+def effective_e_max(e_max: float, k: int, roundoff_floor: float = 0.0) -> float:
+    """The NPU operator's scaling of ``e_max`` with ``K``, optionally floored."""
+    return max(e_max * 6.0 * math.sqrt(k / 1024.0), roundoff_floor)
+
+
+def reference_check(
+    a: Any,
+    b: Any,
+    c: Any,
+    checksum_weight: Any = None,
+    *,
+    e_max: float,
+    c_dtype: Any,
+    bias: Any = None,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    roundoff_floor: bool = False,
+) -> ReferenceCheck:
+    """V-ABFT ``D``, ``T`` and OK bits of ``c == alpha * a @ b + beta * bias`` in float64.
+
+    ``a`` is ``[M, K]``, ``b`` ``[K, N]``, ``c`` ``[M, N]`` (values as stored: pass the
+    tensor itself, its dtype is only named by ``c_dtype``), ``checksum_weight`` ``[N]``,
+    ``bias`` broadcastable to ``[M, N]``.
+    """
+    with np.errstate(all="ignore"):  # non-finite inputs are data here, not accidents
+        return _check(as_f64(a), as_f64(b), as_f64(c), checksum_weight, e_max=e_max,
+                      c_dtype=c_dtype, bias=bias, alpha=alpha, beta=beta,
+                      roundoff_floor=roundoff_floor)
+
+
+def _check(
+    a64: np.ndarray, b64: np.ndarray, c64: np.ndarray, checksum_weight: Any, *,
+    e_max: float, c_dtype: Any, bias: Any, alpha: float, beta: float, roundoff_floor: bool,
+) -> ReferenceCheck:
+    """``reference_check`` on float64 arrays."""
+    m, k = a64.shape
+    n = b64.shape[1]
+    assert b64.shape[0] == k and c64.shape == (m, n), "shapes do not form a @ b = c"
+    r = np.ones(n) if checksum_weight is None else as_f64(checksum_weight)
+    name = dtype_name(c_dtype)
+    mu_a, var_a = extrema_variance(a64, axis=1)  # [M]
+    bias64 = None if bias is None else np.broadcast_to(as_f64(bias), (m, n))
+    e_eff = effective_e_max(e_max, k, UNIT_ROUNDOFF[name] if roundoff_floor else 0.0)
+    diffs, thresholds = [], []
+    for cols in segments(n):
+        n_s = float(cols.stop - cols.start)
+        bw = b64[:, cols] * r[cols]  # r[n] * B[k, n]
+        br = bw.sum(axis=1)  # Br[k, s]
+        mu_b, var_b = extrema_variance(bw, axis=1)  # over n in s, for every k
+        p1, p2, v = np.abs(mu_b).sum(), (mu_b**2).sum(), var_b.sum()
+        checksum = (c64[:, cols] * r[cols]).sum(axis=1)
+        expected = alpha * (a64 @ br)
+        c2 = C_ROBUST**2
+        t = e_eff * (
+            n_s * np.abs(mu_a) * p1
+            + np.sqrt(c2 * n_s * mu_a**2 * v + c2 * n_s**2 * var_a * p2)
+            + math.sqrt(n_s) * np.sqrt(var_a) * math.sqrt(v)
+        )
+        t = abs(alpha) * t + n_s * TINY[name]
+        if bias64 is not None:
+            weighted_bias = bias64[:, cols] * r[cols]
+            expected = expected + beta * weighted_bias.sum(axis=1)
+            t = t + 2.0 * UNIT_ROUNDOFF[name] * np.abs(beta * weighted_bias).sum(axis=1)
+        diffs.append(np.abs(checksum - expected))
+        thresholds.append(t)
+    diff = np.stack(diffs, axis=1) if diffs else np.zeros((m, 0))
+    threshold = np.stack(thresholds, axis=1) if thresholds else np.zeros((m, 0))
+    ok = np.isfinite(diff) & (diff <= threshold)
+    return ReferenceCheck(diff, threshold, ok)
