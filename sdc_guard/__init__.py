@@ -9,13 +9,20 @@ True
 from __future__ import annotations
 
 from . import backends, legacy
+from . import sampling
 from .abft import decode_comp_row, encode_comp_row
+from .guard import Detection, Guard, StepReport, protect
 from .precision import default_e_max, set_default_e_max
 from .verify import Verdict, abft_verify, matmul_checksum, verify_matmul
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Detection",
+    "Guard",
+    "StepReport",
+    "protect",
+    "sampling",
     "Verdict",
     "abft_verify",
     "backends",

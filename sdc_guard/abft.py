@@ -190,10 +190,12 @@ def vabft_threshold(rows: RowStats, ws: WeightSide, e_max: float, c_dtype: torch
     mu = rows.mu.unsqueeze(-1)
     var = rows.var.unsqueeze(-1)
     p1, p2, v = ws.p1.unsqueeze(-2), ws.p2.unsqueeze(-2), ws.v.unsqueeze(-2)
-    c2 = C_ROBUST * C_ROBUST
     mean_term = n_s * mu.abs() * p1
-    cross_term = torch.sqrt(c2 * n_s * mu * mu * v + c2 * n_s * n_s * var * p2)
-    spread_term = torch.sqrt(n_s) * torch.sqrt(var) * torch.sqrt(v)
+    # sqrt(c^2 n_s mu^2 V + c^2 n_s^2 varA P2), written so that no intermediate overflows
+    # fp32 before the result would (large but finite inputs must not get T = inf).
+    sqrt_v, sd = torch.sqrt(v), torch.sqrt(var)
+    cross_term = C_ROBUST * torch.sqrt(n_s) * torch.hypot(mu.abs() * sqrt_v, torch.sqrt(n_s) * sd * torch.sqrt(p2))
+    spread_term = torch.sqrt(n_s) * sd * sqrt_v
     return effective_e_max(e_max, ws.k, c_dtype) * (mean_term + cross_term + spread_term)
 
 
@@ -259,7 +261,9 @@ def vabft_check(
     inputs_bad = rows.bad.unsqueeze(-1) | ws.bad.unsqueeze(-2)
     bound = abs(alpha) * rows.norm.unsqueeze(-1) * ws.col_norm.unsqueeze(-2)
     if bias is not None and beta != 0.0:
-        bias_n = bias if bias.shape[-1] == c.shape[-1] else bias.expand(*bias.shape[:-1], c.shape[-1])
+        bias_n = bias.reshape(1) if bias.dim() == 0 else bias
+        if bias_n.shape[-1] != c.shape[-1]:
+            bias_n = bias_n.expand(*bias_n.shape[:-1], c.shape[-1])
         bias_w = _weighted(bias_n, checksum_weight)
         bias_sum = segment_reduce(bias_w, _sum32)
         bias_abs = segment_reduce(bias_w.abs(), _sum32) * abs(beta)
@@ -268,7 +272,7 @@ def vabft_check(
         inputs_bad = inputs_bad | ~torch.isfinite(bias_sum)
         bound = bound + bias_abs
     diff = (c_sum - reference).abs()
-    ok = diff <= threshold
+    ok = (diff <= threshold) & torch.isfinite(diff)
     possible_overflow = ~torch.isfinite(diff) & ~inputs_bad & (bound >= overflow_limit(c.dtype))
     shape = torch.broadcast_shapes(diff.shape, inputs_bad.shape)
     return AbftCheck(ok, inputs_bad.expand(shape), possible_overflow, diff, threshold)

@@ -14,6 +14,7 @@ import sys
 #: subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "selftest": ("sdc_guard.selftest", "check the installation end to end on every available backend"),
+    "bi": ("sdc_guard.bi_cli", "batch-invariance and determinism harness"),
 }
 
 

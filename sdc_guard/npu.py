@@ -18,6 +18,7 @@ stand-in that follows the contract above, installed as ``sys.modules["torch_npu"
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable
@@ -25,8 +26,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .abft import AbftCheck, decode_comp_row, segment_reduce
+from .abft import AbftCheck, decode_comp_row, row_stats, segment_reduce, weight_side
 from .backends import Backend, GemmRequest
+from .precision import UNIT_ROUNDOFF, overflow_limit
 
 OP_NAME = "_npu_matmul_abft_verify"
 #: dtypes with a recommended e_max on the operator (fp16 has none: RFC, non-goals).
@@ -125,10 +127,26 @@ class NpuBackend(Backend):
         assert op is not None, "check() called on an unavailable npu backend"
         a, b = req.a.contiguous(), req.b.contiguous()
         c = req.c.to(torch.float32).contiguous()
-        stream = op(a, b, c, self._checksum_weight(req), e_max=req.e_max)
+        stream = op(a, b, c, self._checksum_weight(req), e_max=operator_e_max(req.e_max, a.shape[1], req.c.dtype))
         ok = decode_comp_row(stream, a.shape[0], b.shape[1])
         inputs_bad = _rows_nonfinite(a).unsqueeze(-1) | _segments_nonfinite(b).any(-2).unsqueeze(-2)
-        # No D from the operator: a failed bit over non-finite C may be an overflow;
-        # saying so is conservative (verify_matmul settles it exactly).
-        possible_overflow = ~ok & ~inputs_bad & _segments_nonfinite(req.c)
+        # No D from the operator: a failed bit over non-finite C is a possible overflow
+        # only where the magnitudes allow one (the torch backend's bound, O(MK + KN)).
+        bound = row_stats(a).norm.unsqueeze(-1) * weight_side(b).col_norm.unsqueeze(-2)
+        possible_overflow = ~ok & ~inputs_bad & _segments_nonfinite(req.c) & (bound >= overflow_limit(req.c.dtype))
         return AbftCheck(ok, inputs_bad, possible_overflow)
+
+
+def operator_e_max(e_max: float, k: int, c_dtype: torch.dtype) -> float:
+    """The ``e_max`` to pass so that the operator's ``e_eff`` equals sdc_guard's.
+
+    ``e_eff`` is linear in ``e_max``, so raising ``e_max`` to ``u_C / (6 sqrt(K/1024))``
+    reproduces ``abft.effective_e_max``'s floor at the unit roundoff of the *original* C
+    dtype (the operator only ever sees C cast to fp32).
+
+    >>> operator_e_max(1e-3, 64, torch.bfloat16) == 2.0**-8 / 1.5
+    True
+    """
+    if k == 0:
+        return e_max
+    return max(e_max, UNIT_ROUNDOFF[c_dtype] / (6.0 * math.sqrt(k / 1024.0)))

@@ -13,6 +13,11 @@ Two readings of the specification had to be made; both are stated where they are
 - the bias rounding term weighs each column by ``|r[n]|``: ``2 u_C sum |beta r[n] bias|``.
   VABFT.md writes ``sum |beta * bias|``; the two coincide for the default all-ones ``r``,
   and only the weighted form bounds the rounding of ``sum r * out`` when ``|r| > 1``.
+
+``roundoff_floor=True`` adds sdc_guard's one documented departure from the operator
+(``sdc_guard.abft.effective_e_max``): ``e_eff`` is floored at the unit roundoff of C's
+dtype, because the final rounding of C does not shrink with ``K``. VABFT.md does not (yet)
+say so; the default ``False`` is the operator's formula.
 """
 
 from __future__ import annotations
@@ -85,6 +90,22 @@ def effective_e_max(e_max: float, k: int, roundoff_floor: float = 0.0) -> float:
     return max(e_max * 6.0 * math.sqrt(k / 1024.0), roundoff_floor)
 
 
+def _bracket(mu_a: np.ndarray, var_a: np.ndarray, bw: np.ndarray, n_s: float) -> np.ndarray:
+    """The bracket of ``T`` (what ``e_eff`` multiplies) for one segment, ``[M]``.
+
+    ``bw`` is the segment of the weighted B, ``[K, n_s]``; its row statistics over ``n``
+    give ``muB``, ``varB`` and the aggregates ``P1``, ``P2``, ``V``.
+    """
+    mu_b, var_b = extrema_variance(bw, axis=1)  # for every k, over n in s
+    p1, p2, v = np.abs(mu_b).sum(), (mu_b**2).sum(), var_b.sum()
+    c2 = C_ROBUST**2
+    return (
+        n_s * np.abs(mu_a) * p1
+        + np.sqrt(c2 * n_s * mu_a**2 * v + c2 * n_s**2 * var_a * p2)
+        + np.sqrt(n_s) * np.sqrt(var_a) * np.sqrt(v)
+    )
+
+
 def reference_check(
     a: Any,
     b: Any,
@@ -127,18 +148,9 @@ def _check(
     for cols in segments(n):
         n_s = float(cols.stop - cols.start)
         bw = b64[:, cols] * r[cols]  # r[n] * B[k, n]
-        br = bw.sum(axis=1)  # Br[k, s]
-        mu_b, var_b = extrema_variance(bw, axis=1)  # over n in s, for every k
-        p1, p2, v = np.abs(mu_b).sum(), (mu_b**2).sum(), var_b.sum()
         checksum = (c64[:, cols] * r[cols]).sum(axis=1)
-        expected = alpha * (a64 @ br)
-        c2 = C_ROBUST**2
-        t = e_eff * (
-            n_s * np.abs(mu_a) * p1
-            + np.sqrt(c2 * n_s * mu_a**2 * v + c2 * n_s**2 * var_a * p2)
-            + math.sqrt(n_s) * np.sqrt(var_a) * math.sqrt(v)
-        )
-        t = abs(alpha) * t + n_s * TINY[name]
+        expected = alpha * (a64 @ bw.sum(axis=1))  # alpha * A @ Br
+        t = abs(alpha) * e_eff * _bracket(mu_a, var_a, bw, n_s) + n_s * TINY[name]
         if bias64 is not None:
             weighted_bias = bias64[:, cols] * r[cols]
             expected = expected + beta * weighted_bias.sum(axis=1)

@@ -1,0 +1,127 @@
+"""Cache of V-ABFT weight-side encodings, one per (parameter, orientation, version).
+
+The weight side (``Br``, ``P1``, ``P2``, ``V``; VABFT.md "Cost, and what can be cached")
+is O(KN) per call without a cache: the whole weight read again for every GEMM, which is
+what made the Ascend operator cost 186-309 % on decode shapes. A parameter does not change
+between the forward (where it arrives as ``W.t()``) and the backward (``W``) of a step, nor
+across micro-batches, nor ever during inference.
+
+Only tensors whose storage belongs to a registered parameter are cached: an activation's
+storage can be freed and reused at the same address with the same version counter, which
+would serve a stale encoding. Entries hold a reference to the weight view, so a cached
+storage cannot be freed and reused while its entry lives. Any in-place update (an
+optimizer step) bumps the version counter shared by every view of the parameter, so the
+next lookup misses; an out-of-band change (a bit flipped in memory) does not, which is how
+a corrupted weight is caught: the GEMM reads the corrupted weight, the check uses the
+encoding of the good one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+from .abft import WeightSide, weight_side
+
+CacheKey = tuple
+
+
+def cache_key(b: Tensor) -> CacheKey:
+    """Identity of a weight view: storage, offset, shape, strides, dtype, device, version."""
+    return (
+        b.untyped_storage().data_ptr(), b.storage_offset(), tuple(b.shape), b.stride(),
+        b.dtype, b.device, b._version,
+    )
+
+
+@dataclass
+class CacheStats:
+    """Counters for tests, metrics and tuning."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    uncacheable: int = 0  #: lookups of tensors that are not parameters
+
+
+class WeightCache:
+    """Bounded LRU of ``WeightSide`` encodings for the parameters it is told about.
+
+    >>> w = torch.nn.Parameter(torch.randn(300, 64))
+    >>> cache = WeightCache(max_bytes=1 << 20); cache.set_parameters([w])
+    >>> _ = cache.get(w.t()); _ = cache.get(w.t()); cache.stats.hits
+    1
+    """
+
+    def __init__(self, max_bytes: int = 512 << 20) -> None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes: expected a non-negative int, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self.stats = CacheStats()
+        self._entries: OrderedDict[CacheKey, tuple[Tensor, WeightSide]] = OrderedDict()
+        self._bytes = 0
+        self._storages: set[int] = set()
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the cached encodings."""
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def set_parameters(self, params: Iterable[Tensor]) -> None:
+        """Declare which storages are parameters (cacheable); drops entries of others."""
+        self._storages = {p.untyped_storage().data_ptr() for p in params}
+        for key in [k for k in self._entries if k[0] not in self._storages]:
+            self._drop(key)
+
+    def is_cacheable(self, b: Tensor) -> bool:
+        """Whether ``b`` views a registered parameter's storage."""
+        return b.untyped_storage().data_ptr() in self._storages
+
+    def get(self, b: Tensor, checksum_weight: Tensor | None = None) -> WeightSide | None:
+        """The encoding of ``b`` (computed on a miss), or ``None`` if ``b`` is not cacheable.
+
+        Custom checksum weights are not cached (the key would have to include them).
+        """
+        if checksum_weight is not None or not self.is_cacheable(b):
+            self.stats.uncacheable += 1
+            return None
+        key = cache_key(b)
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            self.stats.hits += 1
+            return entry[1]
+        self.stats.misses += 1
+        self._drop_stale(key)
+        encoded = weight_side(b)
+        self._entries[key] = (b, encoded)
+        self._bytes += encoded.nbytes
+        self._evict()
+        return encoded
+
+    def _drop_stale(self, key: CacheKey) -> None:
+        """Drop older versions of the same view: they can never hit again."""
+        same_view = key[:-1]
+        for old in [k for k in self._entries if k[:-1] == same_view]:
+            self._drop(old)
+
+    def _drop(self, key: CacheKey) -> None:
+        _, encoded = self._entries.pop(key)
+        self._bytes -= encoded.nbytes
+
+    def _evict(self) -> None:
+        while self._bytes > self.max_bytes and self._entries:
+            self._drop(next(iter(self._entries)))
+            self.stats.evictions += 1
+
+    def clear(self) -> None:
+        """Forget every encoding (after a rollback restores weights, say)."""
+        self._entries.clear()
+        self._bytes = 0

@@ -1,0 +1,451 @@
+"""``protect(model)``: verify the GEMMs of a training or inference step, report per step.
+
+Lifecycle: a ``Guard`` opens a step, the dispatch mode hands it every GEMM, the sampler
+says which to verify, verification leaves its flags on the device, and closing the step
+reads them all with one host synchronisation into a ``StepReport``. A step closes when a
+per-step ``with protect(model):`` block exits, or at each ``guard.step()`` of a long-lived
+block. Step numbers persist per model, so successive per-step blocks continue one
+schedule.
+
+A verification failure (a bug, a backend that rejects a call) is a monitoring failure: it
+warns once, counts the GEMM as unverified, and never stops training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+import weakref
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.utils.module_tracker import ModuleTracker
+
+from . import backends
+from .abft import AbftCheck
+from .backends import Backend, GemmRequest
+from .cache import WeightCache
+from .intercept import Gemm, GemmInterceptor
+from .precision import SUPPORTED_DTYPES, resolve_e_max
+from .sampling import Full, Sampler, SiteKey, StepCosts
+
+GLOBAL_SITE = "global"
+
+#: Next step number per model, so per-step ``protect()`` blocks continue one schedule.
+_next_step: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class Detection:
+    """One GEMM whose check found corruption."""
+
+    step: int
+    site: str  #: module path relative to the protected model ("global" outside any module)
+    op: str  #: aten op ("addmm", "mm", ...)
+    phase: str  #: "forward" or "backward"
+    rows: list[int]  #: flagged rows (within the last two dims)
+    segments: list[int]  #: flagged 256-column segments
+    ratio: float  #: worst D/T of the GEMM (nan where the backend reports no D)
+    shape: tuple[int, ...]  #: (*batch, M, K, N)
+    dtype: str
+    call_index: int  #: position of the GEMM among the step's GEMMs
+    rank: int = 0
+
+
+KindKey = tuple[str, str, str]  #: (op, phase, dtype): bounded label set for metrics
+
+
+@dataclass
+class GemmCounts:
+    """GEMMs of one (op, phase, dtype) in a step."""
+
+    seen: int = 0
+    verified: int = 0
+    flagged: int = 0
+
+
+@dataclass
+class StepReport:
+    """What one step saw. ``overhead`` = verification time / step time without it."""
+
+    step: int
+    seen: int  #: GEMMs seen
+    verified: int
+    flagged: int  #: GEMMs with at least one corrupted segment
+    detections: list[Detection]
+    unverified_ops: dict[str, int]  #: GEMM-bearing ops that could not be verified, by op
+    verify_seconds: float
+    step_seconds: float
+    overhead: float
+    overflow: int = 0  #: GEMMs with a legitimate-overflow segment (not corruption)
+    unverifiable: int = 0  #: GEMMs with non-finite inputs (not corruption)
+    worst_ratio: float = 0.0  #: worst D/T over the step's verified GEMMs
+    sites_seen: int = 0
+    sites_verified: int = 0
+    rank: int = 0
+    by_kind: dict[KindKey, GemmCounts] = field(default_factory=dict)  #: counts by (op, phase, dtype)
+
+    @property
+    def flag(self) -> bool:
+        """True if any GEMM of the step was flagged."""
+        return self.flagged > 0
+
+
+@dataclass
+class _Pending:
+    """A verified GEMM whose flags still sit on the device."""
+
+    site: SiteKey
+    kind: KindKey
+    call_index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sdc: Tensor  #: bool [..., M, nseg]
+    summary: Tensor  #: fp32 [3]: any sdc, worst ratio, any overflow
+
+
+class _Clock:
+    """Verification time: wall clock on CPU, CUDA events (read once per step) on GPU."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._events: list[tuple[Any, Any]] = []
+
+    def start(self, device: torch.device) -> Any:
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, device: torch.device, started: Any) -> float:
+        """Add the elapsed time; returns it where known now (CPU), else 0."""
+        if device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((started, end))
+            return 0.0
+        elapsed = time.perf_counter() - started
+        self.seconds += elapsed
+        return elapsed
+
+    def total(self) -> float:
+        """All verification time of the step (call after synchronising)."""
+        gpu = sum(start.elapsed_time(end) for start, end in self._events) / 1e3
+        return self.seconds + gpu
+
+
+def _summarize(check: AbftCheck) -> tuple[Tensor, Tensor]:
+    """Device-side reduction of one check: (sdc mask, [any sdc, worst D/T, any overflow])."""
+    sdc = check.sdc
+    ratio = check.ratio
+    if ratio is None:
+        worst = torch.full((), float("nan"), device=sdc.device)
+    else:
+        # Non-finite D (corruption to Inf/NaN) counts as an infinite ratio; segments that
+        # are unverifiable or may have overflowed legitimately do not count.
+        valid = ~check.inputs_bad & ~check.possible_overflow
+        ratio = torch.nan_to_num(ratio, nan=float("inf"))
+        worst = torch.where(valid, ratio, 0.0).amax() if ratio.numel() else ratio.new_zeros(())
+    summary = torch.stack([sdc.any().float(), worst.float(), check.possible_overflow.any().float(),
+                           (~check.ok & check.inputs_bad).any().float()])
+    return sdc, summary
+
+
+class Guard:
+    """Verifies the GEMMs of ``model``'s steps; see ``protect``.
+
+    Not constructed directly: ``with sdc_guard.protect(model) as guard: ...``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        sampler: Sampler | None = None,
+        e_max: float | None = None,
+        backend: str | None = None,
+        history: int = 100,
+        cache_bytes: int = 512 << 20,
+        rank: int | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if backend is not None:
+            backends.get(backend)
+        if e_max is not None:
+            resolve_e_max(e_max, torch.float32, torch.device("cpu"))
+        if isinstance(history, bool) or not isinstance(history, int) or history < 1:
+            raise ValueError(f"history: expected a positive int, got {history!r}")
+        self.model = model
+        self.sampler: Sampler = sampler if sampler is not None else Full()
+        self.e_max = e_max
+        self.backend = backend
+        self.cache = WeightCache(cache_bytes)
+        self.reports: deque[StepReport] = deque(maxlen=history)
+        self.rank = rank if rank is not None else _current_rank()
+        self._root_prefix = type(model).__name__
+        self._tracker: ModuleTracker | None = None
+        self._mode: GemmInterceptor | None = None
+        self._step_open = False
+        self._warned: set[str] = set()
+        self._backend_choice: dict[tuple, Backend] = {}
+        self._e_max_choice: dict[tuple, float] = {}
+        self._reset_step_state()
+
+    # --- step lifecycle ------------------------------------------------------------------
+
+    @property
+    def step_index(self) -> int:
+        """Number of the step now open (or next to open)."""
+        return _next_step.get(self.model, 0)
+
+    @property
+    def last_report(self) -> StepReport | None:
+        """The report of the last closed step."""
+        return self.reports[-1] if self.reports else None
+
+    def _reset_step_state(self) -> None:
+        self._seen = 0
+        self._pending: list[_Pending] = []
+        self._unverified: dict[str, int] = {}
+        self._sites_seen: set[SiteKey] = set()
+        self._site_seconds: dict[SiteKey, float] = {}
+        self._site_calls: dict[SiteKey, int] = {}
+        self._by_kind: dict[KindKey, GemmCounts] = {}
+        self._clock = _Clock()
+        self._t0 = time.perf_counter()
+
+    def _open_step(self) -> None:
+        self._reset_step_state()
+        self.cache.set_parameters(self.model.parameters())
+        self.sampler.begin_step(self.step_index)
+        self._tracker = ModuleTracker().__enter__()
+        self._step_open = True
+
+    def _close_step(self, *, keep_empty: bool) -> StepReport | None:
+        """Read the step's flags (one host sync) and produce its report."""
+        assert self._tracker is not None
+        self._tracker.__exit__(None, None, None)
+        self._tracker = None
+        self._step_open = False
+        if not keep_empty and self._seen == 0 and not self._unverified:
+            return None
+        report = self._build_report()
+        self.reports.append(report)
+        self.sampler.end_step(StepCosts(report.step, report.step_seconds, report.verify_seconds,
+                                        dict(self._site_seconds), dict(self._site_calls)))
+        _next_step[self.model] = report.step + 1
+        return report
+
+    def step(self) -> StepReport:
+        """Close the current step (report it) and open the next one.
+
+        >>> model = torch.nn.Linear(4, 3)
+        >>> with protect(model) as guard:
+        ...     model(torch.randn(2, 4)).sum().backward()
+        ...     report = guard.step()
+        >>> report.seen, report.verified, report.flagged
+        (2, 2, 0)
+        """
+        if not self._step_open:
+            raise RuntimeError("guard.step() called outside the protect() block")
+        report = self._close_step(keep_empty=True)
+        assert report is not None
+        self._open_step()
+        return report
+
+    def __enter__(self) -> "Guard":
+        if self._mode is not None:
+            raise RuntimeError("this Guard is already active")
+        self._open_step()
+        self._mode = GemmInterceptor(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._mode is not None
+        self._mode.__exit__(*exc)
+        self._mode = None
+        if self._step_open:
+            self._close_step(keep_empty=False)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Run a block without interception (the step stays open)."""
+        if self._mode is None:
+            yield
+            return
+        self._mode.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            self._mode.__enter__()
+
+    # --- per GEMM --------------------------------------------------------------------------
+
+    def _site(self) -> str:
+        parents = self._tracker.parents if self._tracker is not None else set()
+        names = [p for p in parents if p != "Global"]
+        if not names:
+            return GLOBAL_SITE
+        deepest = max(names, key=lambda n: (n.count("."), n))
+        prefix = self._root_prefix + "."
+        return deepest[len(prefix):] if deepest.startswith(prefix) else deepest
+
+    def on_unverified(self, op: str) -> None:
+        """Count a GEMM-bearing op that cannot be verified."""
+        self._unverified[op] = self._unverified.get(op, 0) + 1
+
+    def on_gemm(self, gemm: Gemm) -> None:
+        """Called by the dispatch mode for every GEMM: sample, verify, keep flags on device."""
+        call_index = self._seen
+        self._seen += 1
+        phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        kind: KindKey = (gemm.op, phase, str(gemm.a.dtype).removeprefix("torch."))
+        counts = self._by_kind.setdefault(kind, GemmCounts())
+        counts.seen += 1
+        if not _verifiable(gemm):
+            self.on_unverified(f"{gemm.op}[{kind[2]}]")
+            return
+        site: SiteKey = (self._site(), phase, gemm.op)
+        self._sites_seen.add(site)
+        if not self.sampler.should_verify(site):
+            return
+        device = gemm.out.device
+        started = self._clock.start(device)
+        try:
+            sdc, summary = self._verify(gemm)
+        except Exception as exc:  # a monitoring failure never stops training
+            self._warn_once(f"verify:{type(exc).__name__}", f"sdc_guard: could not verify a {gemm.op} "
+                            f"GEMM ({type(exc).__name__}: {exc}); counting it as unverified")
+            self.on_unverified(gemm.op)
+            return
+        elapsed = self._clock.stop(device, started)
+        self._site_seconds[site] = self._site_seconds.get(site, 0.0) + elapsed
+        self._site_calls[site] = self._site_calls.get(site, 0) + 1
+        shape = (*gemm.out.shape[:-2], gemm.a.shape[-2], gemm.a.shape[-1], gemm.b.shape[-1])
+        self._pending.append(_Pending(site, kind, call_index, shape, gemm.a.dtype, sdc, summary))
+        counts.verified += 1
+
+    def _verify(self, gemm: Gemm) -> tuple[Tensor, Tensor]:
+        key = (gemm.a.device, gemm.a.dtype)
+        e_max = self._e_max_choice.get(key)
+        if e_max is None:
+            e_max = self._e_max_choice[key] = resolve_e_max(self.e_max, gemm.a.dtype, gemm.a.device)
+        req = GemmRequest(gemm.a, gemm.b, gemm.out, e_max, bias=gemm.bias, alpha=gemm.alpha, beta=gemm.beta)
+        backend = self._choose_backend(req)
+        if backend.name != "npu":  # the operator re-reads B itself
+            weight = self.cache.get(gemm.b)
+            if weight is not None:
+                req = dataclasses.replace(req, weight=weight)
+        return _summarize(backend.check(req))
+
+    def _choose_backend(self, req: GemmRequest) -> Backend:
+        key = (req.device, req.a.dtype, req.a.dim(), req.b.dim(), req.bias is not None, req.alpha == 1.0)
+        chosen = self._backend_choice.get(key)
+        if chosen is None:
+            chosen = self._backend_choice[key] = backends.select(req, self.backend)
+        return chosen
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    # --- end of step ---------------------------------------------------------------------
+
+    def _build_report(self) -> StepReport:
+        step = self.step_index
+        summaries = _read_summaries([p.summary for p in self._pending])  # the one host sync
+        step_seconds = time.perf_counter() - self._t0
+        verify_seconds = self._clock.total()
+        detections = [
+            _detection(step, p, s[1], self.rank)
+            for p, s in zip(self._pending, summaries)
+            if s[0] > 0
+        ]
+        for p, s in zip(self._pending, summaries):
+            if s[0] > 0:
+                self._by_kind[p.kind].flagged += 1
+        ratios = [s[1] for s in summaries if s[1] == s[1]]
+        base = max(step_seconds - verify_seconds, 1e-12)
+        return StepReport(
+            step=step, seen=self._seen, verified=len(self._pending), flagged=len(detections),
+            detections=detections, unverified_ops=dict(self._unverified),
+            verify_seconds=verify_seconds, step_seconds=step_seconds, overhead=verify_seconds / base,
+            overflow=sum(1 for s in summaries if s[2] > 0),
+            unverifiable=sum(1 for s in summaries if s[3] > 0),
+            worst_ratio=max(ratios, default=0.0), sites_seen=len(self._sites_seen),
+            sites_verified=len({p.site for p in self._pending}), rank=self.rank,
+            by_kind=dict(self._by_kind),
+        )
+
+
+def _verifiable(gemm: Gemm) -> bool:
+    a, b, out = gemm.a, gemm.b, gemm.out
+    return (
+        a.dtype in SUPPORTED_DTYPES and b.dtype == a.dtype and out.dtype in SUPPORTED_DTYPES
+        and a.dim() >= 2 and b.dim() >= 2 and out.dim() >= 2
+        and (gemm.bias is None or gemm.bias.is_floating_point())
+    )
+
+
+def _read_summaries(summaries: list[Tensor]) -> list[list[float]]:
+    """All per-GEMM summaries to the host in one transfer per device."""
+    if not summaries:
+        return []
+    by_device: dict[torch.device, list[int]] = {}
+    for i, s in enumerate(summaries):
+        by_device.setdefault(s.device, []).append(i)
+    out: list[list[float]] = [[]] * len(summaries)
+    for indices in by_device.values():
+        rows = torch.stack([summaries[i] for i in indices]).tolist()
+        for i, row in zip(indices, rows):
+            out[i] = row
+    return out
+
+
+def _detection(step: int, p: _Pending, ratio: float, rank: int) -> Detection:
+    mask = p.sdc.reshape(-1, *p.sdc.shape[-2:]).any(0)
+    rows = torch.nonzero(mask.any(-1)).flatten().tolist()
+    segments = torch.nonzero(mask.any(-2)).flatten().tolist()
+    site, phase, op = p.site
+    return Detection(step, site, op, phase, rows, segments, ratio, p.shape,
+                     str(p.dtype).removeprefix("torch."), p.call_index, rank)
+
+
+def _current_rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def protect(
+    model: nn.Module,
+    *,
+    sampler: Sampler | None = None,
+    e_max: float | None = None,
+    backend: str | None = None,
+    history: int = 100,
+    cache_bytes: int = 512 << 20,
+) -> Guard:
+    """Verify the GEMMs ``model`` runs inside the block, forward and backward.
+
+    Use one block per step (the report is ``guard.last_report`` after the block), or one
+    long-lived block with ``guard.step()`` at each step boundary. ``sampler`` decides which
+    GEMMs to verify (default ``Full()``); ``e_max`` and ``backend`` are as in
+    ``verify_matmul``; ``cache_bytes`` bounds the weight-side cache.
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    >>> with protect(model) as guard:
+    ...     model(torch.randn(5, 8)).sum().backward()
+    >>> r = guard.last_report; (r.seen, r.verified, r.flagged)
+    (5, 5, 0)
+    """
+    return Guard(model, sampler=sampler, e_max=e_max, backend=backend, history=history,
+                 cache_bytes=cache_bytes)

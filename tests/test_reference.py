@@ -1,0 +1,254 @@
+"""The torch backend (``sdc_guard.abft.vabft_check``) computes VABFT.md: checked in float64.
+
+``tests/vabft_reference.py`` implements the specification a second time, in float64
+NumPy and without sdc_guard's code. The torch backend must agree with it:
+
+- ``T`` to a relative ``T_RTOL = 1e-5``: both sides evaluate the same formula on the same
+  statistics; fp32 rounding of those statistics is ~1e-7 relative (measured <= 2e-7).
+- ``D`` to ``D_RTOL = 1e-5`` relative plus the worst-case fp32 accumulation error of the
+  three sums that make it (``(n + 2) u_32 sum |terms|``): VABFT.md allows ``D`` to be
+  "accumulated in fp32 or wider", so the bound is part of the specification, not slack.
+  Where every sum is exact (integer-valued data) ``D`` must agree exactly.
+- the OK bits exactly, on inputs whose ``D / T`` keeps clear of 1 (asserted).
+
+sdc_guard floors the NPU operator's ``e_eff`` at the unit roundoff of C's dtype
+(``abft.effective_e_max``, its one documented addition to the operator's formula), so the
+reference is called with ``roundoff_floor=True`` here; the NPU stand-in uses the bare
+formula, as the operator does.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from vabft_reference import SEGMENT, ReferenceCheck, as_f64, reference_check, segments  # noqa: E402
+
+from sdc_guard.abft import AbftCheck, vabft_check  # noqa: E402
+
+T_RTOL = 1e-5
+D_RTOL = 1e-5
+U32 = 2.0**-24
+E_MAX = {torch.bfloat16: 1e-3, torch.float16: 1e-3, torch.float32: 2e-5}
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+#: (M, K, N): M % 8 != 0 and N % 256 != 0 throughout, one short last segment each.
+SHAPES = [(13, 100, 300), (5, 1000, 520), (1, 33, 257), (20, 64, 40)]
+
+
+def gemm(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
+    """``a @ b`` stored in ``dtype``; fp16 through fp32 because CPU fp16 GEMMs crawl."""
+    if dtype == torch.float16:
+        return (a.float() @ b.float()).half()
+    return a @ b
+
+
+def operands(m: int, k: int, n: int, dtype: torch.dtype, seed: int) -> tuple[Tensor, Tensor]:
+    """Gaussian ``a [m, k]``, ``b [k, n]`` in ``dtype`` with a mean shift, so that every
+    term of the threshold (mean, cross, spread) contributes."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=gen) + 0.3
+    b = torch.randn(k, n, generator=gen) - 0.2
+    return a.to(dtype), b.to(dtype)
+
+
+def signed_weight(n: int, seed: int) -> Tensor:
+    """A checksum weight far from all ones: magnitudes 0.5..2 with random signs (fp32)."""
+    gen = torch.Generator().manual_seed(seed)
+    magnitude = 0.5 + 1.5 * torch.rand(n, generator=gen)
+    sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+    return magnitude * sign
+
+
+def accumulation_bound(a: Tensor, b: Tensor, c: Tensor, weight: Tensor | None, *,
+                       bias: Tensor | None = None, alpha: float = 1.0,
+                       beta: float = 1.0) -> np.ndarray:
+    """Worst-case error ``[M, nseg]`` of computing ``D`` with fp32 sums (VABFT.md allows it).
+
+    Each of the three sums in ``D`` (``sum r C``, ``A @ Br`` with ``Br`` itself a sum, and
+    ``sum r bias``) is off by at most ``(terms + 2) u_32 sum |terms|``.
+    """
+    a64, b64, c64 = as_f64(a), as_f64(b), as_f64(c)
+    n = b64.shape[1]
+    r = np.ones(n) if weight is None else np.abs(as_f64(weight))
+    k = a64.shape[1]
+    bias64 = None if bias is None else np.broadcast_to(np.abs(as_f64(bias)), c64.shape)
+    bounds = []
+    for cols in segments(n):
+        n_s = cols.stop - cols.start
+        c_part = (n_s + 2) * (np.abs(c64[:, cols]) * r[cols]).sum(1)
+        ab_part = (k + n_s + 2) * abs(alpha) * (np.abs(a64) @ (np.abs(b64[:, cols]) * r[cols]).sum(1))
+        bound = c_part + ab_part
+        if bias64 is not None:
+            bound = bound + (n_s + 2) * abs(beta) * (bias64[:, cols] * r[cols]).sum(1)
+        bounds.append(U32 * bound)
+    return np.stack(bounds, axis=1)
+
+
+def assert_agrees(check: AbftCheck, ref: ReferenceCheck, bound: np.ndarray) -> None:
+    """``T`` to ``T_RTOL``, ``D`` to ``D_RTOL`` + the fp32 bound, OK bits exactly."""
+    threshold, diff = as_f64(check.threshold), as_f64(check.diff)
+    np.testing.assert_allclose(threshold, ref.threshold, rtol=T_RTOL, atol=0, err_msg="T")
+    excess = np.abs(diff - ref.diff) - (D_RTOL * ref.diff + bound)
+    assert (excess <= 0).all(), f"D off by up to {excess.max():.3g} beyond tolerance"
+    np.testing.assert_array_equal(check.ok.numpy(), ref.ok, err_msg="OK bits")
+
+
+def assert_clear_of_threshold(ref: ReferenceCheck) -> None:
+    """Guard of the test data: bits compared only where rounding cannot flip them."""
+    ratio = ref.diff / ref.threshold
+    assert ((ratio < 0.5) | (ratio > 2.0)).all(), f"test data too close to T: {ratio}"
+
+
+def corrupt(c: Tensor, ref: ReferenceCheck, weight: Tensor | None, m: int, col: int,
+            factor: float) -> Tensor:
+    """``c`` with ``c[m, col]`` moved by ``factor`` times its segment's reference ``T``."""
+    scale = 1.0 if weight is None else abs(float(weight[col]))
+    bad = c.clone()
+    delta = factor * ref.threshold[m, col // SEGMENT] / scale
+    bad[m, col] = (c[m, col].double() + delta).to(c.dtype)
+    return bad
+
+
+def reference(a: Tensor, b: Tensor, c: Tensor, weight: Tensor | None, **kw: object) -> ReferenceCheck:
+    """The float64 reference with sdc_guard's round-off floor, at the dtype's ``e_max``."""
+    return reference_check(a, b, c, weight, e_max=E_MAX[a.dtype], c_dtype=c.dtype,
+                           roundoff_floor=True, **kw)
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["ones", "weighted"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_torch_backend_matches_float64_reference(dtype: torch.dtype, shape: tuple[int, int, int],
+                                                 weighted: bool) -> None:
+    """D, T and bits agree on a correct product and on one corrupted element.
+
+    The corruption (50 T, in the last row and the short last segment) must fail in the
+    reference and in torch alike while every other segment passes.
+    """
+    m, k, n = shape
+    a, b = operands(m, k, n, dtype, seed=m * k + n)
+    weight = signed_weight(n, seed=n) if weighted else None
+    c = gemm(a, b, dtype)
+    clean = reference(a, b, c, weight)
+    assert clean.ok.all()
+    bad = corrupt(c, clean, weight, m - 1, n - 1, factor=50.0)
+    for candidate in (c, bad):
+        ref = reference(a, b, candidate, weight)
+        assert_clear_of_threshold(ref)
+        check = vabft_check(a, b, candidate, weight, e_max=E_MAX[dtype])
+        assert_agrees(check, ref, accumulation_bound(a, b, candidate, weight))
+    assert not ref.ok[m - 1, -1] and ref.ok.sum() == ref.ok.size - 1
+
+
+@pytest.mark.parametrize("bias_rows", [1, 13], ids=["bias[N]", "bias[M,N]"])
+@pytest.mark.parametrize("alpha, beta", [(1.0, 1.0), (-0.5, 2.0), (3.0, -0.25)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bias_alpha_beta_match_reference(dtype: torch.dtype, alpha: float, beta: float,
+                                         bias_rows: int) -> None:
+    """``out = beta * bias + alpha * a @ b``: D, T (with the bias rounding term) and bits.
+
+    A non-unit weight is used too, so that a bias term weighted differently from the
+    checksum would show in T. A corruption of 20 T is caught in both.
+    """
+    m, k, n = 13, 48, 300
+    a, b = operands(m, k, n, dtype, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    bias = (4.0 * torch.randn(bias_rows, n, generator=gen)).to(dtype)
+    bias_arg = bias[0] if bias_rows == 1 else bias
+    weight = signed_weight(n, seed=9)
+    c = (beta * bias.float() + alpha * (a.float() @ b.float())).to(dtype)
+    kw = dict(bias=bias_arg, alpha=alpha, beta=beta)
+    clean = reference(a, b, c, weight, **kw)
+    bad = corrupt(c, clean, weight, 4, 10, factor=20.0)
+    for candidate in (c, bad):
+        ref = reference(a, b, candidate, weight, **kw)
+        assert_clear_of_threshold(ref)
+        check = vabft_check(a, b, candidate, weight, e_max=E_MAX[dtype], **kw)
+        assert_agrees(check, ref, accumulation_bound(a, b, candidate, weight, **kw))
+    assert np.argwhere(~ref.ok).tolist() == [[4, 0]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_k_zero_threshold_is_the_underflow_floor(dtype: torch.dtype) -> None:
+    """K = 0: C must be exactly 0; T is ``n_s * tiny`` alone, so any nonzero is caught."""
+    a, b = torch.zeros(5, 0, dtype=dtype), torch.zeros(0, 300, dtype=dtype)
+    c = torch.zeros(5, 300, dtype=dtype)
+    bad = c.clone()
+    bad[2, 260] = 1e-3
+    for candidate in (c, bad):
+        ref = reference(a, b, candidate, None)
+        check = vabft_check(a, b, candidate, e_max=E_MAX[dtype])
+        assert_agrees(check, ref, accumulation_bound(a, b, candidate, None))
+    tiny = {torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24, torch.float32: 2.0**-149}[dtype]
+    np.testing.assert_allclose(ref.threshold, np.broadcast_to([256 * tiny, 44 * tiny], (5, 2)))
+    assert np.argwhere(~ref.ok).tolist() == [[2, 1]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_d_equal_to_t_is_ok(dtype: torch.dtype) -> None:
+    """Only ``D > T`` is an error. K = 0 and a last segment one column wide make
+    ``T = tiny`` exactly; a C element of one tiny is ``D == T`` (OK), two tinies are not."""
+    tiny = {torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24, torch.float32: 2.0**-149}[dtype]
+    a, b = torch.zeros(3, 0, dtype=dtype), torch.zeros(0, 257, dtype=dtype)
+    c = torch.zeros(3, 257, dtype=dtype)
+    c[0, 256], c[1, 256] = tiny, 2 * tiny
+    ref = reference(a, b, c, None)
+    check = vabft_check(a, b, c, e_max=E_MAX[dtype])
+    assert ref.diff[0, 1] == ref.threshold[0, 1] == tiny
+    assert_agrees(check, ref, accumulation_bound(a, b, c, None))
+    assert np.argwhere(~ref.ok).tolist() == [[1, 1]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_d_is_exact_when_every_sum_is_exact(dtype: torch.dtype) -> None:
+    """Small integers and power-of-two weights: no sum rounds, so D must match bit for bit.
+
+    This pins D without any tolerance: the segment boundaries, the weighting of C and of
+    B, and the sign convention all have to be exactly right.
+    """
+    gen = torch.Generator().manual_seed(3)
+    m, k, n = 11, 8, 300
+    a = torch.randint(-4, 5, (m, k), generator=gen).to(dtype)
+    b = torch.randint(-4, 5, (k, n), generator=gen).to(dtype)
+    weight = torch.tensor([0.5, 1.0, 2.0, -1.0])[torch.randint(0, 4, (n,), generator=gen)]
+    c = gemm(a, b, dtype)
+    bad = c.clone()
+    bad[3, 5] += 32
+    bad[10, 299] -= 16
+    check = vabft_check(a, b, bad, weight, e_max=E_MAX[dtype])
+    ref = reference(a, b, bad, weight)
+    expected = np.zeros((m, 2))
+    expected[3, 0] = 32 * abs(float(weight[5]))
+    expected[10, 1] = 16 * abs(float(weight[299]))
+    np.testing.assert_array_equal(ref.diff, expected)
+    np.testing.assert_array_equal(as_f64(check.diff), expected)
+    np.testing.assert_allclose(as_f64(check.threshold), ref.threshold, rtol=T_RTOL)
+    np.testing.assert_array_equal(check.ok.numpy(), ref.ok)
+
+
+def test_fp32_threshold_stays_finite_for_large_finite_inputs() -> None:
+    """Inputs of magnitude 1e9 give products ~3e19, far inside fp32; T must stay finite.
+
+    The reference's T is ~6e16. A threshold that overflows to inf passes every C, even
+    an Inf planted in it, which VABFT.md says is always caught (D non-finite = error).
+    """
+    gen = torch.Generator().manual_seed(11)
+    a = 1e9 * torch.randn(8, 64, generator=gen)
+    b = 1e9 * torch.randn(64, 256, generator=gen)
+    c = a @ b
+    bad = c.clone()
+    bad[0, 0] = float("inf")
+    for candidate in (c, bad):
+        ref = reference(a, b, candidate, None)
+        check = vabft_check(a, b, candidate, e_max=E_MAX[torch.float32])
+        assert np.isfinite(ref.threshold).all()
+        np.testing.assert_allclose(as_f64(check.threshold), ref.threshold, rtol=T_RTOL, err_msg="T")
+        np.testing.assert_array_equal(check.ok.numpy(), ref.ok, err_msg="OK bits")
+    assert np.argwhere(~ref.ok).tolist() == [[0, 0]]
