@@ -3,20 +3,23 @@
 ``triton_weight_side(b)`` computes exactly what ``sdc_guard.abft.weight_side`` defines
 (VABFT.md, "Checksum" and "Threshold"): ``Br[k, s]``, the per-segment aggregates ``P1``,
 ``P2``, ``V`` of the per-(k, segment) mean and Bhatia-Davis extrema variance, the largest
-column 2-norm ``col_norm`` and the non-finite mask ``bad``, in two launches:
+column 2-norm bound ``col_norm`` and the non-finite mask ``bad``, in two launches:
 
 1. ``_weight_partials_kernel``, grid ``(batch * nseg, k_chunks)``: each program reads a
    ``[k_chunk, 256]`` slab of ``B`` once, in ``[BLOCK_K, 256]`` tiles, writes the ``Br`` rows
-   of its slab and its partial ``P1``/``P2``/``V`` sums and column sums of squares to a
-   small scratch buffer. Splitting K keeps the GPU busy when ``batch * nseg`` is small (a
+   of its slab and its partial sums of ``P1``, ``P2``, ``V`` and ``col_norm^2`` (``sum_k``
+   of the squared per-(k, segment) extremum) to a small scratch buffer. Splitting K keeps the GPU busy when ``batch * nseg`` is small (a
    4096-wide weight has only 16 segments) without atomics, so the result is deterministic.
 2. ``_weight_finish_kernel``, grid ``(batch * nseg,)``: adds the partials of the K chunks
-   in a fixed order, takes the square root and the segment maximum of the column norms,
-   and derives ``bad``.
+   in a fixed order, takes the square root for ``col_norm`` and derives ``bad``.
 
 ``B`` is read through its strides (``W.t()`` of an ``nn.Linear`` weight needs no copy); an
 integer stride equal to 1 is specialised by Triton, so loads coalesce along whichever of
-k or n is contiguous. Accumulation is fp32 throughout.
+k or n is contiguous (for ``W.t()`` in runs of ``WEIGHT_BLOCK_K`` elements: 16 bytes in
+bf16, half a sector; a wider K tile would need more registers, see below). ``Br`` is
+written segment-major (a ``[..., nseg, K]`` buffer returned as its ``[..., K, nseg]``
+transpose) so that the check kernel reads a segment's ``Br`` contiguously.
+Accumulation is fp32 throughout; no host synchronisation, ``B`` is only read.
 
 The result differs from the torch reference only by float summation order (see
 ``sdc_guard.kernels.vabft_triton`` for the tolerance this implies).
@@ -24,6 +27,8 @@ The result differs from the torch reference only by float summation order (see
 
 from __future__ import annotations
 
+import contextlib
+import math
 from collections.abc import Sequence
 
 import torch
@@ -31,12 +36,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sdc_guard.abft import WeightSide, num_segments, segment_widths
+from sdc_guard.abft import WeightSide, num_segments
 from sdc_guard.precision import SEGMENT
 
-#: Rows of B per tile of the partials kernel: a ``[32, 256]`` fp32 tile is 32 KiB of
-#: registers per program, small enough for four warps without spilling.
-WEIGHT_BLOCK_K = 32
+#: Rows of B per tile of the partials kernel, and its warps: a ``[8, 256]`` tile is 8
+#: values per thread, 63-99 registers and no spills on sm_90 (read from the cubin); 16
+#: rows took 112-177 registers, 32 rows at four warps 255 and spilled.
+WEIGHT_BLOCK_K = 8
+WEIGHT_NUM_WARPS = 8
 
 #: Programs the partials kernel aims for, so that K is split only when ``batch * nseg``
 #: alone cannot fill a large GPU (an H200 has 132 SMs). Not tuned on hardware.
@@ -85,21 +92,40 @@ def collapse_batch(
     return sizes, per_tensor
 
 
-def batch_strides(t: Tensor, batch: Sequence[int]) -> list[int]:
-    """Batch strides of ``t`` (``[..., R, C]``) seen as broadcast to ``batch`` (0 = broadcast)."""
-    return list(t.expand(*batch, *t.shape[-2:]).stride()[: len(batch)])
+def batch_strides(
+    shape: Sequence[int], strides: Sequence[int], batch: Sequence[int], trailing: int = 2
+) -> list[int]:
+    """Batch strides of a tensor broadcast to ``batch`` (0 where it is broadcast).
+
+    ``shape`` / ``strides`` describe the tensor, whose last ``trailing`` dims are not
+    batch dims; its batch dims are aligned to the right of ``batch`` as in broadcasting.
+    Pure Python, so that ``rejects`` can plan a launch without touching a tensor.
+
+    >>> batch_strides((3, 4, 5), (20, 5, 1), [2, 3])
+    [0, 20]
+    """
+    own = len(shape) - trailing
+    lead = len(batch) - own
+    return [strides[i - lead] if i >= lead and shape[i - lead] != 1 else 0
+            for i in range(len(batch))]
 
 
 def weight_rejects(b: Tensor, checksum_weight: Tensor | None = None) -> str | None:
     """``None`` if ``triton_weight_side`` can encode ``b``, else why not (one line)."""
     batch = list(b.shape[:-2])
-    if collapse_batch(batch, [batch_strides(b, batch)]) is None:
+    if collapse_batch(batch, [b.stride()[:-2]]) is None:
         return f"b: batch dims {tuple(b.shape[:-2])} with strides {b.stride()[:-2]} need a copy"
     if checksum_weight is not None and checksum_weight.dtype not in TRITON_FLOAT_DTYPES:
         return f"checksum_weight: dtype {checksum_weight.dtype} is not one Triton loads"
     if b.numel() == 0:
         return "b is empty: nothing to encode"
     return None
+
+
+def on_device(dev: torch.device) -> contextlib.AbstractContextManager:
+    """``torch.cuda.device(dev)`` for CUDA tensors (Triton launches on the current
+    device, which need not be the tensors'), a no-op for CPU tensors (interpreter)."""
+    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
 
 
 def _k_chunk(k: int, programs: int, k_chunk: int | None) -> int:
@@ -110,14 +136,19 @@ def _k_chunk(k: int, programs: int, k_chunk: int | None) -> int:
     return max(WEIGHT_BLOCK_K, triton.cdiv(k_chunk, WEIGHT_BLOCK_K) * WEIGHT_BLOCK_K)
 
 
+#: Per-(batch, K chunk, segment) partial sums the partials kernel writes: P1, P2, V and
+#: ``sum_k max_n (r B[k, n])^2`` (the square of ``col_norm``).
+N_PARTIALS = 4
+
+
 @triton.jit
 def _weight_partials_kernel(
-    b_ptr, r_ptr, br_ptr, part_ptr, colsq_ptr,
-    K, N, nseg, k_chunk, n_chunks, n_batch, batch1,
-    stride_b0, stride_b1, stride_bk, stride_bn,
+    b_ptr, r_ptr, br_ptr, part_ptr,
+    K, N, nseg, k_chunk, n_chunks, n_batch, batch1, stride_r,
+    stride_b0, stride_b1, stride_bk, stride_bn, stride_brb, stride_brk, stride_brs,
     HAS_WEIGHT: tl.constexpr, SEG: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One ``[k_chunk, SEG]`` slab of B: Br rows, partial P1/P2/V and column sums of squares."""
+    """One ``[k_chunk, SEG]`` slab of B: its Br rows and its partial aggregates."""
     pid = tl.program_id(0)
     chunk = tl.program_id(1)
     batch = pid // nseg
@@ -128,14 +159,14 @@ def _weight_partials_kernel(
     col_off = cols.to(tl.int64) * stride_bn
     width = tl.minimum(N - seg * SEG, SEG).to(tl.float32)
     if HAS_WEIGHT:
-        r = tl.load(r_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + cols.to(tl.int64) * stride_r, mask=col_ok, other=0.0).to(tl.float32)
     p1 = tl.zeros((BLOCK_K,), tl.float32)
     p2 = tl.zeros((BLOCK_K,), tl.float32)
     v = tl.zeros((BLOCK_K,), tl.float32)
-    colsq = tl.zeros((SEG,), tl.float32)
+    norm_sq = tl.zeros((BLOCK_K,), tl.float32)
     k_start = chunk * k_chunk
     k_end = tl.minimum(k_start + k_chunk, K)
-    br_base = br_ptr + batch.to(tl.int64) * K * nseg + seg
+    br_base = br_ptr + batch.to(tl.int64) * stride_brb + seg * stride_brs
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_end
@@ -148,49 +179,52 @@ def _weight_partials_kernel(
         mu = tl.div_rn(row_sum, width)
         hi = tl.where(k_ok, tl.max(tl.where(mask, x, -float("inf")), axis=1), 0.0)
         lo = tl.where(k_ok, tl.min(tl.where(mask, x, float("inf")), axis=1), 0.0)
-        tl.store(br_base + ks.to(tl.int64) * nseg, row_sum, mask=k_ok)
+        peak = tl.maximum(tl.abs(hi), tl.abs(lo))
+        tl.store(br_base + ks.to(tl.int64) * stride_brk, row_sum, mask=k_ok)
         p1 += tl.where(k_ok, tl.abs(mu), 0.0)
         p2 += tl.where(k_ok, mu * mu, 0.0)
         v += tl.where(k_ok, tl.abs((hi - mu) * (mu - lo)), 0.0)
-        colsq += tl.sum(x * x, axis=0)
-    part = (batch * n_chunks + chunk).to(tl.int64)
-    plane = n_batch.to(tl.int64) * n_chunks * nseg
-    tl.store(part_ptr + part * nseg + seg, tl.sum(p1, axis=0))
-    tl.store(part_ptr + plane + part * nseg + seg, tl.sum(p2, axis=0))
-    tl.store(part_ptr + 2 * plane + part * nseg + seg, tl.sum(v, axis=0))
-    tl.store(colsq_ptr + part * N + cols, colsq, mask=col_ok)
+        norm_sq += peak * peak
+    part = part_ptr + (batch * n_chunks + chunk).to(tl.int64) * nseg + seg
+    plane = n_batch * n_chunks * nseg
+    tl.store(part, tl.sum(p1, axis=0))
+    tl.store(part + plane, tl.sum(p2, axis=0))
+    tl.store(part + 2 * plane, tl.sum(v, axis=0))
+    tl.store(part + 3 * plane, tl.sum(norm_sq, axis=0))
 
 
 @triton.jit
 def _weight_finish_kernel(
-    part_ptr, colsq_ptr, p1_ptr, p2_ptr, v_ptr, norm_ptr, bad_ptr,
+    part_ptr, p1_ptr, p2_ptr, v_ptr, norm_ptr, bad_ptr, widths_ptr,
     N, nseg, n_chunks, n_batch,
     SEG: tl.constexpr,
 ):
-    """Add the K-chunk partials of one segment in a fixed order; norms, maximum and ``bad``."""
+    """Add one segment's K-chunk partials in a fixed order; ``col_norm`` and ``bad``.
+
+    The segment widths are written here too, so the encoding needs no host-to-device copy.
+    """
     pid = tl.program_id(0)
     batch = pid // nseg
     seg = pid % nseg
-    cols = seg * SEG + tl.arange(0, SEG)
-    col_ok = cols < N
-    plane = n_batch.to(tl.int64) * n_chunks * nseg
+    plane = n_batch * n_chunks * nseg
     p1 = 0.0
     p2 = 0.0
     v = 0.0
-    colsq = tl.zeros((SEG,), tl.float32)
+    norm_sq = 0.0
     for chunk in range(0, n_chunks):
-        part = (batch * n_chunks + chunk).to(tl.int64)
-        p1 += tl.load(part_ptr + part * nseg + seg)
-        p2 += tl.load(part_ptr + plane + part * nseg + seg)
-        v += tl.load(part_ptr + 2 * plane + part * nseg + seg)
-        colsq += tl.load(colsq_ptr + part * N + cols, mask=col_ok, other=0.0)
-    norm = tl.max(tl.where(col_ok, tl.sqrt_rn(colsq), 0.0), axis=0)
+        part = part_ptr + (batch * n_chunks + chunk).to(tl.int64) * nseg + seg
+        p1 += tl.load(part)
+        p2 += tl.load(part + plane)
+        v += tl.load(part + 2 * plane)
+        norm_sq += tl.load(part + 3 * plane)
     finite = (tl.abs(p1) < float("inf")) & (tl.abs(v) < float("inf"))
     tl.store(p1_ptr + pid, p1)
     tl.store(p2_ptr + pid, p2)
     tl.store(v_ptr + pid, v)
-    tl.store(norm_ptr + pid, norm)
+    tl.store(norm_ptr + pid, tl.sqrt_rn(norm_sq))
     tl.store(bad_ptr + pid, (~finite).to(tl.uint8))
+    width = tl.minimum(N - seg * SEG, SEG).to(tl.float32)
+    tl.store(widths_ptr + seg, width, mask=batch == 0)
 
 
 def triton_weight_side(
@@ -212,45 +246,33 @@ def triton_weight_side(
         raise ValueError(reason)
     k, n = b.shape[-2], b.shape[-1]
     bshape = list(b.shape[:-2])
-    (_, batch1), (strides,) = collapse_batch(bshape, [batch_strides(b, bshape)])
-    n_batch = b[..., 0, 0].numel()
+    (_, batch1), (strides,) = collapse_batch(bshape, [b.stride()[:-2]])
+    n_batch = math.prod(bshape)
     nseg = num_segments(n)
     chunk = _k_chunk(k, n_batch * nseg, k_chunk)
     n_chunks = triton.cdiv(k, chunk)
     dev = b.device
-    br = torch.empty((*bshape, k, nseg), dtype=torch.float32, device=dev)
-    part = torch.empty((3, n_batch, n_chunks, nseg), dtype=torch.float32, device=dev)
-    colsq = torch.empty((n_batch, n_chunks, n), dtype=torch.float32, device=dev)
+    # Br is [..., K, nseg] stored segment-major, so that a segment's column is contiguous:
+    # the check kernel's loads of Br along K then coalesce, and so do the stores here.
+    br = torch.empty((*bshape, nseg, k), dtype=torch.float32, device=dev).transpose(-1, -2)
+    part = torch.empty((N_PARTIALS, n_batch, n_chunks, nseg), dtype=torch.float32, device=dev)
     p1, p2, v, col_norm = (
         torch.empty((*bshape, nseg), dtype=torch.float32, device=dev) for _ in range(4)
     )
     bad = torch.empty((*bshape, nseg), dtype=torch.bool, device=dev)
+    widths = torch.empty((nseg,), dtype=torch.float32, device=dev)
     r = checksum_weight if checksum_weight is not None else b  # dummy pointer when unused
-    with _on_device(dev):
+    with on_device(dev):
         _weight_partials_kernel[(n_batch * nseg, n_chunks)](
-            b, r, br, part, colsq,
+            b, r, br, part,
             k, n, nseg, chunk, n_chunks, n_batch, batch1,
-            strides[0], strides[1], b.stride(-2), b.stride(-1),
+            checksum_weight.stride(0) if checksum_weight is not None else 0,
+            strides[0], strides[1], b.stride(-2), b.stride(-1), k * nseg, br.stride(-2), br.stride(-1),
             HAS_WEIGHT=checksum_weight is not None, SEG=SEGMENT, BLOCK_K=WEIGHT_BLOCK_K,
+            num_warps=WEIGHT_NUM_WARPS,
         )
         _weight_finish_kernel[(n_batch * nseg,)](
-            part, colsq, p1, p2, v, col_norm, bad.view(torch.uint8),
+            part, p1, p2, v, col_norm, bad.view(torch.uint8), widths,
             n, nseg, n_chunks, n_batch, SEG=SEGMENT,
         )
-    return WeightSide(br, p1, p2, v, col_norm, bad, segment_widths(n, dev), k, n)
-
-
-class _on_device:
-    """``torch.cuda.device(dev)`` for CUDA tensors (Triton launches on the current
-    device), a no-op otherwise (CPU tensors under ``TRITON_INTERPRET=1``)."""
-
-    def __init__(self, dev: torch.device) -> None:
-        self._ctx = torch.cuda.device(dev) if dev.type == "cuda" else None
-
-    def __enter__(self) -> None:
-        if self._ctx is not None:
-            self._ctx.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
+    return WeightSide(br, p1, p2, v, col_norm, bad, widths, k, n)

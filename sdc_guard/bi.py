@@ -34,7 +34,7 @@ import importlib.util
 import itertools
 import warnings
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -45,7 +45,7 @@ from .bi_report import BIReport, CellResult, Status, VariantRun
 
 __all__ = [
     "BIConfig", "BIReport", "CellResult", "DataSpec", "DEFAULT_CELLS", "Status", "VacuousInputWarning",
-    "VariantRun", "check", "make_config", "run_cells", "row_sha256",
+    "VariantRun", "check", "load_object", "make_config", "run_cells", "row_sha256",
 ]
 
 Op = Callable[[Tensor, Tensor], Tensor]
@@ -293,7 +293,7 @@ def run_cells(op: Op, cells: Iterable[Sequence[int]], config: BIConfig, name: st
     a ready ``BIConfig``.
 
     >>> run_cells(lambda x, w: x @ w, [(2, 4, 2)], make_config(n_warmup=0)).expected_cells
-    12
+    6
     """
     cells = check_cells(cells)
     if not callable(op):
@@ -339,6 +339,18 @@ def check(op: Op, cells: Iterable[Sequence[int]], *, mode: str = "both", n_warmu
     return report
 
 
+def _import(module_name: str) -> Any:
+    if not module_name.endswith(".py"):
+        return importlib.import_module(module_name)
+    name = f"_sdc_guard_bi_user_{zlib.crc32(module_name.encode())}"
+    loader_spec = importlib.util.spec_from_file_location(name, module_name)
+    if loader_spec is None or loader_spec.loader is None:
+        raise ImportError(f"no loader for {module_name!r}")
+    module = importlib.util.module_from_spec(loader_spec)
+    loader_spec.loader.exec_module(module)
+    return module
+
+
 def load_object(spec: str) -> Any:
     """The object ``spec`` names: ``package.module:attr`` or ``path/to/file.py:attr``.
 
@@ -347,24 +359,14 @@ def load_object(spec: str) -> Any:
     >>> load_object("torch:mm") is torch.mm
     True
     """
-    module_name, sep, attr = spec.partition(":")
+    module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"op: expected 'module:attr' or 'file.py:attr', got {spec!r}")
-    if module_name.endswith(".py"):
-        loader_spec = importlib.util.spec_from_file_location(f"_sdc_guard_bi_user_{abs(hash(module_name))}",
-                                                             module_name)
-        if loader_spec is None or loader_spec.loader is None:
-            raise ValueError(f"op: cannot load file {module_name!r}")
-        module = importlib.util.module_from_spec(loader_spec)
-        loader_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(module_name)
+    try:
+        module = _import(module_name)
+    except (ImportError, OSError) as exc:
+        raise ValueError(f"op: cannot import {module_name!r} from {spec!r}: {exc}") from exc
     try:
         return getattr(module, attr)
     except AttributeError:
         raise ValueError(f"op: module {module_name!r} has no attribute {attr!r}") from None
-
-
-def with_dtype(config: BIConfig, dtype: torch.dtype) -> BIConfig:
-    """``config`` for another dtype (suites sweep dtypes)."""
-    return replace(config, dtype=dtype)

@@ -49,36 +49,45 @@ def _target(text: str) -> str | int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``sdc-guard bi``."""
+    """Options of ``sdc-guard bi``: what to test, the matrix, and the distributed launch."""
     parser.add_argument("--suite", choices=SUITES, required=True,
-                        help="verify: sdc_guard's verifier (legacy checksum as negative control); "
-                             "matmul: torch.mm and F.linear; collective: distributed matmul + reduce_scatter/all_reduce")
+                        help="verify: sdc_guard's verifier, legacy checksum as negative control; "
+                             "matmul: torch.mm and F.linear; "
+                             "collective: row-sharded matmul + reduce_scatter / all_reduce")
     parser.add_argument("--mode", choices=MODE_CHOICES, default="both",
                         help="composition (same M, other rows differ), batch-size (M varies) or both")
     parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=None,
                         help="dtypes to test (default: all three for matmul, float32 otherwise)")
-    parser.add_argument("--world-sizes", nargs="+", type=_positive, default=[2, 4, 8],
-                        help="collective: one torch.distributed.run job per world size")
     parser.add_argument("--n-warmup", type=int, default=2, help="phase 0 calls per run (errors ignored)")
     parser.add_argument("--n-trials", type=int, default=3, help="phase 1 calls per variant (determinism)")
-    parser.add_argument("--target-rows", nargs="+", type=_target, default=list(POSITIONS),
-                        help="first, middle, last or row indices")
-    parser.add_argument("--m-totals", nargs="+", type=_positive, default=list(DEFAULT_M_TOTALS))
-    parser.add_argument("--ks", nargs="+", type=_positive, default=list(DEFAULT_KS))
-    parser.add_argument("--ns", nargs="+", type=_positive, default=list(DEFAULT_NS))
-    parser.add_argument("--data", choices=[d for d in DATA_SPECS if d != "peaky"], default="wide",
-                        help="input values (small-int is vacuous: it only shows the warning)")
-    parser.add_argument("--device", default=None, help="verify/matmul: device (default cuda if available, else cpu)")
     parser.add_argument("--op", default=None,
                         help="matmul: module:attr or file.py:attr of an op(x, w) -> y to test instead; "
                              "collective: of a sdc_guard.bi_collective.DistributedOp")
-    parser.add_argument("--master-port", type=int, default=0, help="collective: fixed port (0: a free one per job)")
-    parser.add_argument("--sleep-between-ws", type=float, default=1.0, help="collective: seconds between world sizes")
-    parser.add_argument("--ws-timeout", type=float, default=600.0,
-                        help="collective: seconds before a world size's job is killed (its cells become ERROR)")
-    parser.add_argument("--pg-timeout", type=float, default=60.0, help="collective: seconds one collective may block")
+    parser.add_argument("--device", default=None, help="verify/matmul: device (default cuda if available)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the full report as JSON")
     parser.add_argument("--verbose", action="store_true", help="list every cell, not only the findings")
+    _add_matrix_arguments(parser.add_argument_group("matrix"))
+    _add_collective_arguments(parser.add_argument_group("collective suite"))
+
+
+def _add_matrix_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--m-totals", nargs="+", type=_positive, default=list(DEFAULT_M_TOTALS))
+    group.add_argument("--ks", nargs="+", type=_positive, default=list(DEFAULT_KS))
+    group.add_argument("--ns", nargs="+", type=_positive, default=list(DEFAULT_NS))
+    group.add_argument("--target-rows", nargs="+", type=_target, default=list(POSITIONS),
+                       help="first, middle, last or row indices")
+    group.add_argument("--data", choices=[d for d in DATA_SPECS if d != "peaky"], default="wide",
+                       help="input values (small-int sums exactly: it only demonstrates the vacuity warning)")
+
+
+def _add_collective_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--world-sizes", nargs="+", type=_positive, default=[2, 4, 8],
+                       help="one torch.distributed.run job per world size")
+    group.add_argument("--master-port", type=int, default=0, help="fixed port (0: a free one per job)")
+    group.add_argument("--sleep-between-ws", type=float, default=1.0, help="seconds between world sizes")
+    group.add_argument("--ws-timeout", type=float, default=600.0,
+                       help="seconds before a world size's job is killed (its cells become ERROR)")
+    group.add_argument("--pg-timeout", type=float, default=60.0, help="seconds one collective may block")
 
 
 def _run_suite(args: argparse.Namespace) -> SuiteResult:

@@ -46,7 +46,8 @@ from .bi_suites import SuiteResult
 
 #: Which status wins when ranks disagree about a cell (the most alarming first).
 _PRECEDENCE = (Status.ERROR, Status.NON_DET, Status.BI_FAIL, Status.SKIP, Status.BI_PASS)
-_OUTPUT_TAIL = 1500
+_OUTPUT_TAIL = 800
+_TERM_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -129,13 +130,22 @@ def agreed(op: DistributedOp) -> Op:
 
 
 def _merge_rank_cells(per_rank: list[CellResult], world_size: int) -> CellResult:
+    """One cell as all ranks agree on it: the most alarming status wins, and disagreement is noted.
+
+    Ranks that agree on BI_PASS/BI_FAIL but hold different bytes for the same target row
+    ran the same input to different results: NON_DET (cross-rank non-determinism).
+    """
     statuses = [c.status for c in per_rank]
     status = next(s for s in _PRECEDENCE if s in statuses)
     chosen = per_rank[statuses.index(status)]
-    note = chosen.note
     if len(set(statuses)) > 1:
         note = "ranks disagree: " + " ".join(f"r{i}={s.value}" for i, s in enumerate(statuses))
-    return replace(chosen, world_size=world_size, note=note)
+        return replace(chosen, world_size=world_size, note=note)
+    bytes_per_rank = {tuple(v.shas for v in c.variants) for c in per_rank}
+    if status in (Status.BI_PASS, Status.BI_FAIL) and len(bytes_per_rank) > 1:
+        return replace(chosen, world_size=world_size, status=Status.NON_DET,
+                       note="ranks hold different bytes for the same target row")
+    return replace(chosen, world_size=world_size)
 
 
 def gather_agreement(report: BIReport) -> BIReport:
@@ -185,6 +195,7 @@ def _worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-rows", nargs="+", type=_target_arg, default=list(POSITIONS))
     p.add_argument("--pg-timeout", type=float, default=60.0)
     p.add_argument("--op", default=None, help="module:attr or file.py:attr of a DistributedOp")
+    p.add_argument("--pid-dir", default=None, help="where each rank writes its pid, for the launcher's timeout")
     return p
 
 
@@ -201,6 +212,8 @@ def load_distributed_ops(spec: str | None) -> tuple[DistributedOp, ...]:
 def worker_main(argv: Sequence[str] | None = None) -> int:
     """Entry point of each rank (``torch.distributed.run ... -m sdc_guard.bi_collective``)."""
     args = _worker_parser().parse_args(argv)
+    if args.pid_dir:
+        Path(args.pid_dir, f"rank{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
     try:
         world_size = dist.get_world_size()
@@ -239,27 +252,58 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_args(config: BIConfig, cells: Sequence[Cell], launch: LaunchConfig, out: Path) -> list[str]:
+def _worker_args(config: BIConfig, cells: Sequence[Cell], launch: LaunchConfig, tmp: Path) -> list[str]:
     if not isinstance(config.data, str):
-        raise TypeError(f"data: the collective suite needs a built-in data name, got {type(config.data).__name__}")
+        raise TypeError(f"data: the collective suite needs a built-in data name, "
+                        f"got {type(config.data).__name__}")
     mode = "both" if len(config.modes) == 2 else config.modes[0]
-    args = ["--json", str(out), "--cells", *(f"{m}x{k}x{n}" for m, k, n in cells), "--mode", mode,
+    args = ["--json", str(tmp / "report.json"), "--pid-dir", str(tmp),
+            "--cells", *(f"{m}x{k}x{n}" for m, k, n in cells), "--mode", mode,
             "--dtype", str(config.dtype).removeprefix("torch."), "--data", config.data,
             "--n-warmup", str(config.n_warmup), "--n-trials", str(config.n_trials),
             "--target-rows", *map(str, config.target_rows), "--pg-timeout", str(launch.pg_timeout)]
     return args + (["--op", launch.op] if launch.op else [])
 
 
-def _launch(cmd: list[str], timeout: float) -> tuple[int | None, str]:
-    """Run ``cmd`` in its own session; on timeout kill that session. ``None`` rc: timed out."""
+def _kill_workers(pid_dir: Path) -> None:
+    """SIGKILL the workers whose pid files are in ``pid_dir`` (torchrun puts each in its own session)."""
+    for pid_file in pid_dir.glob("*.pid"):
+        try:
+            pid = int(pid_file.read_text())
+            cmdline = Path(f"/proc/{pid}/cmdline")
+            if cmdline.exists() and b"bi_collective" not in cmdline.read_bytes():
+                continue  # the pid was reused by someone else's process: not ours to end
+            os.kill(pid, signal.SIGKILL)
+        except (ValueError, OSError):
+            continue
+
+
+def _launch(cmd: list[str], timeout: float, pid_dir: Path) -> tuple[int | None, str]:
+    """Run ``cmd`` in its own session; on timeout end it and its workers. ``None`` rc: timed out.
+
+    SIGTERM first (torchrun then stops its workers itself), then SIGKILL to the job's
+    session and to every worker that wrote a pid file.
+    """
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
         return proc.returncode, out
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(_TERM_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        _kill_workers(pid_dir)
+        try:
+            out, _ = proc.communicate(timeout=_TERM_GRACE_S)
+        except subprocess.TimeoutExpired:
+            out = ""
         return None, out
 
 
@@ -273,6 +317,22 @@ def _error_report(world_size: int, cells: Sequence[Cell], config: BIConfig, op_n
     return BIReport(results, len(results), warnings=(f"world size {world_size}: {reason}",))
 
 
+def _job_command(world_size: int, port: int, worker_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size), "--nnodes", "1",
+            "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", "0",
+            "-m", "sdc_guard.bi_collective", *worker_args]
+
+
+def _run_job(world_size: int, worker_args: list[str], launch: LaunchConfig, tmp: Path) -> tuple[int | None, str]:
+    """Launch one job; with an automatic port, retry once if another process took it meanwhile."""
+    for _ in range(2):
+        port = launch.master_port or free_port()
+        rc, output = _launch(_job_command(world_size, port, worker_args), launch.job_timeout, tmp)
+        if (tmp / "report.json").exists() or launch.master_port or "address already in use" not in output.lower():
+            break
+    return rc, output
+
+
 def run_world_size(world_size: int, config: BIConfig, cells: Sequence[Cell], launch: LaunchConfig) -> BIReport:
     """One ``torch.distributed.run`` job: its agreed report, or ERROR cells saying why there is none."""
     cells = [c for c in cells if c[0] % world_size == 0]
@@ -280,25 +340,19 @@ def run_world_size(world_size: int, config: BIConfig, cells: Sequence[Cell], lau
     matrix = f"ws={world_size}: {len(op_names)} ops x {matrix_text(cells, config)}"
     if not cells:
         return BIReport((), 0, warnings=(f"world size {world_size}: no M_total divisible by it; nothing run",))
-    with tempfile.TemporaryDirectory(prefix="sdc-guard-bi-") as tmp:
-        out = Path(tmp) / "report.json"
-        for attempt in range(2):
-            port = launch.master_port or free_port()
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
-                   "--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
-                   "--max-restarts", "0", "-m", "sdc_guard.bi_collective",
-                   *_worker_args(config, cells, launch, out)]
-            rc, output = _launch(cmd, launch.job_timeout)
-            port_taken = "address already in use" in output.lower()
-            if out.exists() or not (port_taken and launch.master_port == 0):
-                break
-        if rc == 0 and out.exists():
-            report = BIReport.from_dict(json.loads(out.read_text()))
-            expected = len(op_names) * expected_cell_count(cells, config)
-            return replace(report, expected_cells=expected, matrix=matrix)
+    with tempfile.TemporaryDirectory(prefix="sdc-guard-bi-") as tmp_name:
+        tmp = Path(tmp_name)
+        rc, output = _run_job(world_size, _worker_args(config, cells, launch, tmp), launch, tmp)
+        report_json = (tmp / "report.json").read_text() if (tmp / "report.json").exists() else None
     why = f"job timed out after {launch.job_timeout:g} s" if rc is None else f"job exited with status {rc}"
     tail = output[-_OUTPUT_TAIL:].strip().replace("\n", " | ")
-    return replace(_error_report(world_size, cells, config, op_names, f"{why}: {tail}"), matrix=matrix)
+    if report_json is not None:
+        report = BIReport.from_dict(json.loads(report_json))
+        late = (f"world size {world_size}: report written, but {why}; last output: {tail}",) if rc != 0 else ()
+        expected = len(op_names) * expected_cell_count(cells, config)
+        return replace(report, expected_cells=expected, matrix=matrix, warnings=report.warnings + late)
+    report = _error_report(world_size, cells, config, op_names, why)
+    return replace(report, matrix=matrix, warnings=(f"world size {world_size}: {why}; last output: {tail}",))
 
 
 def collective_suite(config: BIConfig, launch: LaunchConfig,
@@ -311,6 +365,12 @@ def collective_suite(config: BIConfig, launch: LaunchConfig,
     for ws in launch.world_sizes:
         if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
             raise ValueError(f"world_sizes: expected ints >= 1, got {launch.world_sizes!r}")
+    for name in ("job_timeout", "pg_timeout"):
+        if not getattr(launch, name) > 0:
+            raise ValueError(f"{name}: expected seconds > 0, got {getattr(launch, name)!r}")
+    if launch.sleep_between < 0 or not 0 <= launch.master_port < 65536:
+        raise ValueError(f"sleep_between, master_port: expected >= 0 and a port number, got "
+                         f"{launch.sleep_between!r}, {launch.master_port!r}")
     reports = []
     for i, ws in enumerate(launch.world_sizes):
         if i and launch.sleep_between > 0:

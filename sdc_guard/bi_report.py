@@ -11,7 +11,7 @@ distributed run and to CI, so every piece round-trips through ``to_dict``/``from
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any, Iterable
@@ -23,6 +23,7 @@ class Status(str, Enum):
     BI_PASS = "BI_PASS"  #: deterministic, and the target row is the same in every variant
     BI_FAIL = "BI_FAIL"  #: deterministic, and the target row changed with the other rows
     NON_DET = "NON_DET"  #: the same input gave different bytes across trials (no phase 2)
+    NON_DETERMINISTIC = "NON_DET"  #: the seed's long name (an alias of NON_DET)
     ERROR = "ERROR"  #: the op raised (or returned something that is not a tensor)
     SKIP = "SKIP"  #: the target row lies outside the input or the output
 
@@ -86,13 +87,17 @@ class CellResult:
             out = "x".join(map(str, v.out_shape)) if v.out_shape is not None else "?"
             if v.error:
                 parts.append(f"{v.name}: M={v.batch} error {v.error}")
+            elif v.row is None:
+                parts.append(f"{v.name}: M={v.batch} target row outside the input")
+            elif v.outside:
+                parts.append(f"{v.name}: M={v.batch} row {v.row} outside y[{out}]")
             elif self.status == Status.NON_DET:
                 parts.append(f"{v.name}: M={v.batch} y[{out}] trials {[s[:16] for s in v.shas]}")
             else:
                 sha = v.shas[0][:16] if v.shas else "-"
                 parts.append(f"{v.name}: M={v.batch} row {v.row} x[{v.batch},{self.k}] -> y[{out}] sha {sha}")
         tail = f" ({self.note})" if self.note else ""
-        return head + ": " + "; ".join(parts) + tail
+        return head + (": " + "; ".join(parts) if parts else "") + tail
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict."""
@@ -134,7 +139,6 @@ class BIReport:
     warmup_errors: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     matrix: str = ""  #: how ``expected_cells`` was computed, for the printout
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -188,7 +192,6 @@ class BIReport:
             "matrix": self.matrix,
             "warmup_errors": list(self.warmup_errors),
             "warnings": list(self.warnings),
-            "extra": self.extra,
             "cells": [c.to_dict() for c in self.cells],
         }
 
@@ -201,7 +204,6 @@ class BIReport:
             warmup_errors=tuple(d.get("warmup_errors", ())),
             warnings=tuple(d.get("warnings", ())),
             matrix=d.get("matrix", ""),
-            extra=dict(d.get("extra", {})),
         )
 
     def write_json(self, path: str | Path) -> None:

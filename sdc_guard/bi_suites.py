@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -149,7 +149,8 @@ def verify_suite(config: BIConfig, cells: Sequence[tuple[int, int, int]] = DEFAU
     ('result: BI_PASS=12 BI_FAIL=0 NON_DET=0 ERROR=0 SKIP=0', True, 0)
     """
     peaky = replace(config, data="peaky")
-    subject = run_jobs([("vabft_check[wide]", vabft_row_verdict, config),
+    data_name = config.data if isinstance(config.data, str) else config.data.name
+    subject = run_jobs([(f"vabft_check[{data_name}]", vabft_row_verdict, config),
                         ("vabft_check[peaky]", vabft_row_verdict, peaky)], cells)
     control = run_jobs([("legacy_check[peaky]", legacy_row_verdict, peaky)], cells)
     header = ("suite verify: V-ABFT thresholds and verdict bits must be row-local (BI_PASS); "
@@ -172,6 +173,3 @@ def matmul_suite(configs: Sequence[BIConfig], cells: Sequence[tuple[int, int, in
     jobs = [(name, op, cfg) for cfg in configs for name, op in ops.items()]
     return SuiteResult("matmul", run_jobs(jobs, cells), None, header)
 
-
-#: Callable suites by name (the distributed ``collective`` suite lives in ``bi_collective``).
-SUITES: dict[str, Callable[..., SuiteResult]] = {"verify": verify_suite, "matmul": matmul_suite}

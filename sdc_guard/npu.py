@@ -49,7 +49,7 @@ def _rows_nonfinite(a: Tensor) -> Tensor:
 
 def _segments_nonfinite(x: Tensor) -> Tensor:
     """bool ``[..., rows, nseg]``: a non-finite value lies in the (row, segment)."""
-    return segment_reduce(~torch.isfinite(x), lambda t: t.any(-1))
+    return segment_reduce(~torch.isfinite(x), lambda t, d: t.any(d))
 
 
 class NpuBackend(Backend):

@@ -27,6 +27,21 @@ UNIT_ROUNDOFF: dict[torch.dtype, float] = {
     torch.float32: 2.0**-24,
 }
 
+def bias_rounding(c_dtype: torch.dtype) -> float:
+    """Factor of ``sum |beta * r * bias|`` added to T for a GEMM with bias.
+
+    VABFT.md's ``2 u_C`` covers rounding C's bias part to C's dtype. The checksum sums of
+    C and of the bias are themselves fp32 sums of up to 256 terms (pairwise: at most
+    ``log2(256) = 8`` roundings deep), whose error is also proportional to the bias when
+    the bias dominates C: ``2 * 8 * u_fp32`` more. Without it, fp32 ``addmm`` with a bias
+    1000x the product raised false alarms (D/T up to 1.5 at K = 70).
+
+    >>> bias_rounding(torch.float32) == 2 * (2.0**-24 + 8 * 2.0**-24)
+    True
+    """
+    return 2.0 * (UNIT_ROUNDOFF[c_dtype] + 8 * UNIT_ROUNDOFF[torch.float32])
+
+
 #: VABFT.md default ``e_max`` by input dtype (fp32 computed at full precision).
 DEFAULT_E_MAX: dict[torch.dtype, float] = {
     torch.bfloat16: 1e-3,

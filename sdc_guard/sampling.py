@@ -173,16 +173,17 @@ class Budget:
 
     A token bucket: every step earns ``max_overhead`` times the moving average of the
     step time without verification; the plan spends it on sites in order of staleness
-    (steps since last verified), each costed by a moving average of its measured
-    verification time, stopping at the first site it cannot afford; the time really spent
-    is charged at the end of the step. So the long-run overhead is the budget, and every
-    site comes round: with a full-verification overhead ``F``, each site is verified about
-    every ``F / max_overhead`` steps.
+    (steps since last verified), stopping at the first site it cannot afford; the time
+    really spent is charged at the end of the step. So the long-run overhead is the
+    budget, and every site comes round: with a full-verification overhead ``F``, each
+    site is verified about every ``F / max_overhead`` steps.
 
-    The first ``warmup`` steps verify everything, to measure each site's cost warm (first
-    calls pay one-off costs); they are not charged, and ``achieved_overhead`` excludes
-    them. A site first met later is verified at once and charged. ``achieved_overhead``
-    and ``coverage`` report what really happened.
+    Costs are robust to a noisy machine: each site's *relative* cost is the minimum of its
+    measurements during the ``warmup`` steps (which verify everything and are not
+    charged; first calls pay one-off costs), and one global factor, a moving average of
+    measured over predicted time across all verified sites, scales them. A timing spike
+    therefore moves the whole plan for a few steps instead of pricing one site out of the
+    schedule. A site first met after warm-up is verified at once and charged.
 
     >>> b = Budget(0.05); b.begin_step(0); b.should_verify(("a", "forward", "mm"))
     True
@@ -198,9 +199,10 @@ class Budget:
         self.max_overhead = float(max_overhead)
         self.smoothing = smoothing
         self.warmup = warmup
-        self._steps_done = 0
         self.step = 0
-        self._cost: dict[SiteKey, float] = {}
+        self._steps_done = 0
+        self._cost: dict[SiteKey, float] = {}  #: relative cost (seconds at scale 1)
+        self._scale = 1.0
         self._last: dict[SiteKey, int] = {}
         self._base_seconds: float | None = None
         self._credit = 0.0
@@ -209,30 +211,31 @@ class Budget:
         self._base_total = 0.0
         self._completed = -1
 
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
-
-    def begin_step(self, step: int) -> None:
-        self.step = step
-        self._plan = self._make_plan()
-
     @property
     def warming_up(self) -> bool:
         """True during the first ``warmup`` steps, which verify everything."""
         return self._steps_done < self.warmup
 
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self._plan = set() if self.warming_up else self._make_plan()
+
     def _make_plan(self) -> set[SiteKey]:
-        if self.warming_up or self._base_seconds is None:
-            return set(self._cost)
-        cap = max(sum(self._cost.values()), self.max_overhead * self._base_seconds)
-        self._credit = min(self._credit + self.max_overhead * self._base_seconds, cap)
+        assert self._base_seconds is not None
+        earned = self.max_overhead * self._base_seconds
+        cap = max(self._scale * sum(self._cost.values()), earned)
+        self._credit = min(self._credit + earned, cap)
         plan: set[SiteKey] = set()
         spent = 0.0
         for site in sorted(self._cost, key=lambda s: (self._last.get(s, -1), s)):
-            if spent + self._cost[site] > self._credit:
+            cost = self._scale * self._cost[site]
+            if spent + cost > self._credit:
                 break
             plan.add(site)
-            spent += self._cost[site]
+            spent += cost
         return plan
 
     def should_verify(self, site: SiteKey) -> bool:
@@ -243,8 +246,8 @@ class Budget:
         warm = self.warming_up
         self._steps_done += 1
         self._completed = costs.step
-        for site, seconds in costs.site_seconds.items():
-            self._cost[site] = seconds if warm else self._ema(self._cost.get(site), seconds)
+        self._learn_costs(costs.site_seconds, warm)
+        for site in costs.site_seconds:
             self._last[site] = costs.step
         self._base_seconds = base if warm else self._ema(self._base_seconds, base)
         if warm:
@@ -252,6 +255,19 @@ class Budget:
         self._credit -= costs.verify_seconds
         self._verify_total += costs.verify_seconds
         self._base_total += base
+
+    def _learn_costs(self, measured: dict[SiteKey, float], warm: bool) -> None:
+        if warm:
+            for site, seconds in measured.items():
+                self._cost[site] = min(seconds, self._cost.get(site, seconds))
+            return
+        known = [s for s in measured if s in self._cost]
+        predicted = sum(self._cost[s] for s in known)
+        if predicted > 0:
+            self._scale = self._ema(self._scale, sum(measured[s] for s in known) / predicted)
+        for site in measured:
+            if site not in self._cost:
+                self._cost[site] = measured[site] / self._scale
 
     @property
     def achieved_overhead(self) -> float:
@@ -267,15 +283,18 @@ class Budget:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "step": self.step, "base_seconds": self._base_seconds, "credit": self._credit,
+            "step": self.step, "steps_done": self._steps_done, "scale": self._scale,
+            "base_seconds": self._base_seconds, "credit": self._credit,
             "cost": [[list(s), c] for s, c in self._cost.items()],
             "last": [[list(s), i] for s, i in self._last.items()],
             "verify_total": self._verify_total, "base_total": self._base_total,
-            "completed": self._completed, "steps_done": self._steps_done,
+            "completed": self._completed,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
+        self._steps_done = int(state["steps_done"])
+        self._scale = float(state["scale"])
         self._base_seconds = state["base_seconds"]
         self._credit = float(state["credit"])
         self._cost = {tuple(s): float(c) for s, c in state["cost"]}
@@ -283,7 +302,6 @@ class Budget:
         self._verify_total = float(state["verify_total"])
         self._base_total = float(state["base_total"])
         self._completed = int(state["completed"])
-        self._steps_done = int(state["steps_done"])
 
     def __repr__(self) -> str:
         return f"Budget({self.max_overhead})"

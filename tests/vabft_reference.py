@@ -14,10 +14,12 @@ Two readings of the specification had to be made; both are stated where they are
   VABFT.md writes ``sum |beta * bias|``; the two coincide for the default all-ones ``r``,
   and only the weighted form bounds the rounding of ``sum r * out`` when ``|r| > 1``.
 
-``roundoff_floor=True`` adds sdc_guard's one documented departure from the operator
-(``sdc_guard.abft.effective_e_max``): ``e_eff`` is floored at the unit roundoff of C's
-dtype, because the final rounding of C does not shrink with ``K``. VABFT.md does not (yet)
-say so; the default ``False`` is the operator's formula.
+``roundoff_floor=True`` adds sdc_guard's two documented departures from the operator:
+``e_eff`` is floored at the unit roundoff of C's dtype (``sdc_guard.abft.effective_e_max``:
+the final rounding of C does not shrink with ``K``), and the bias term also covers the
+fp32 checksum sums, ``2 (u_C + 8 u_fp32) sum |beta r bias|``
+(``sdc_guard.precision.bias_rounding``). VABFT.md does not (yet) say so; the default
+``False`` is the operator's formula.
 """
 
 from __future__ import annotations
@@ -154,7 +156,10 @@ def _check(
         if bias64 is not None:
             weighted_bias = bias64[:, cols] * r[cols]
             expected = expected + beta * weighted_bias.sum(axis=1)
-            t = t + 2.0 * UNIT_ROUNDOFF[name] * np.abs(beta * weighted_bias).sum(axis=1)
+            bias_factor = 2.0 * UNIT_ROUNDOFF[name]
+            if roundoff_floor:  # sdc_guard also covers the fp32 checksum sums of a large bias
+                bias_factor += 2.0 * 8 * UNIT_ROUNDOFF["float32"]
+            t = t + bias_factor * np.abs(beta * weighted_bias).sum(axis=1)
         diffs.append(np.abs(checksum - expected))
         thresholds.append(t)
     diff = np.stack(diffs, axis=1) if diffs else np.zeros((m, 0))

@@ -1,0 +1,340 @@
+"""protect(model): interception, attribution, reports, samplers, weight-side cache."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.module_tracker import ModuleTracker
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import sdc_guard  # noqa: E402
+from models import MLP, TinyGPT, lm_batch  # noqa: E402
+from sdc_guard.abft import vabft_check  # noqa: E402
+from sdc_guard.sampling import Budget, EveryN, Full, Rate, Rotating  # noqa: E402
+
+
+def _turn_on_high_bit(out: torch.Tensor, index: tuple[int, ...]) -> None:
+    bits = out.view(torch.int32)
+    value = int(bits[index])
+    bits[index] = value | (1 << next(b for b in (30, 29, 28) if not (value >> b) & 1))
+
+
+class FlipAtCall(TorchDispatchMode):
+    """Test-local injector: turn on the highest exponent bit that is off in one fp32
+    element of the ``call``-th ``op`` call. Entered *before* protect() so the guard sees
+    the corrupted output."""
+
+    def __init__(self, op: str, call: int, index: tuple[int, ...] = (0, 0)) -> None:
+        super().__init__()
+        self.op, self.call, self.index, self.count, self.fired = op, call, index, 0, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if str(func.overloadpacket).split(".")[-1] == self.op:
+            if self.count == self.call:
+                _turn_on_high_bit(out, self.index)
+                self.fired = True
+            self.count += 1
+        return out
+
+
+class FlipInModule(TorchDispatchMode):
+    """Test-local injector: corrupt the first GEMM run inside module ``name`` (an
+    independent ModuleTracker decides where we are)."""
+
+    GEMMS = ("mm", "addmm", "bmm", "baddbmm")
+
+    def __init__(self, name: str, index: tuple[int, ...]) -> None:
+        super().__init__()
+        self.name, self.index, self.fired = name, index, None
+        self.tracker = ModuleTracker()
+
+    def __enter__(self):
+        self.tracker.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self.tracker.__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        op = str(func.overloadpacket).split(".")[-1]
+        if self.fired is None and op in self.GEMMS and any(p.endswith("." + self.name) for p in self.tracker.parents):
+            _turn_on_high_bit(out, self.index)
+            self.fired = op
+        return out
+
+
+def train_steps(model, steps, *, guard_kwargs=None, per_step_blocks=True, lr=1e-2):
+    """Train ``model`` on deterministic LM batches under protect(); returns the reports."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    reports = []
+    kwargs = guard_kwargs or {}
+    for step in range(steps):
+        x, y = lm_batch(step)
+        with sdc_guard.protect(model, **kwargs) as guard:
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        reports.append(guard.last_report)
+    return reports
+
+
+def test_mlp_counts_gemms_per_phase_and_flags_none() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    with sdc_guard.protect(model) as guard:
+        model(torch.randn(8, 16)).pow(2).sum().backward()
+    r = guard.last_report
+    assert (r.seen, r.verified, r.flagged, r.detections) == (5, 5, 0, [])
+    forward = sum(c.verified for (op, phase, _), c in r.by_kind.items() if phase == "forward")
+    backward = sum(c.verified for (op, phase, _), c in r.by_kind.items() if phase == "backward")
+    assert (forward, backward) == (2, 3)
+    assert r.by_kind[("addmm", "forward", "float32")].verified == 2
+    assert r.by_kind[("mm", "backward", "float32")].verified == 3
+    assert r.verify_seconds > 0 and r.step_seconds > r.verify_seconds
+    assert r.overhead == pytest.approx(r.verify_seconds / (r.step_seconds - r.verify_seconds))
+
+
+def test_transformer_trains_clean_then_catches_a_flip_with_site_and_phase() -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    reports = train_steps(model, 3)
+    assert all(r.flagged == 0 and r.verified == r.seen > 0 for r in reports)
+    assert reports[0].step + 2 == reports[2].step  # per-step blocks number steps in order
+    # step 3: flip a bit in the output of block 0's attention projection
+    x, y = lm_batch(3)
+    fault = FlipInModule("blocks.0.attn.proj", index=(5, 3))
+    with fault, sdc_guard.protect(model) as guard:
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    assert fault.fired
+    r = guard.last_report
+    assert r.step == reports[-1].step + 1
+    assert r.flagged == 1
+    (d,) = r.detections
+    assert (d.site, d.phase, d.op, d.rows, d.segments) == ("blocks.0.attn.proj", "forward", fault.fired, [5], [0])
+    assert d.ratio > 1
+
+
+def test_backward_gemm_fault_is_attributed_to_backward() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(8, 16)
+    fault = FlipAtCall("mm", call=0, index=(1, 2))  # the first backward mm: fc2's grad products
+    with fault, sdc_guard.protect(model) as guard:
+        model(x).pow(2).sum().backward()
+    (d,) = guard.last_report.detections
+    assert (d.site, d.phase, d.op) == ("fc2", "backward", "mm")
+
+
+def test_inference_mode_verifies_every_linear() -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    x, _ = lm_batch(0)
+    with torch.inference_mode(), sdc_guard.protect(model) as guard:
+        model(x)
+    r = guard.last_report
+    linears = 4 * 2 + 1  # qkv, proj, fc1, fc2 per block + head
+    assert r.by_kind[("linear", "forward", "float32")].verified == linears
+    assert r.verified == r.seen == linears + 2 * 2  # + q@k^T and att@v per block
+    with torch.no_grad(), sdc_guard.protect(model) as guard:
+        model(x)
+    assert guard.last_report.verified == guard.last_report.seen >= linears
+
+
+def test_protect_leaves_outputs_and_gradients_bit_identical() -> None:
+    def run(protected: bool):
+        torch.manual_seed(0)
+        model = TinyGPT()
+        x, y = lm_batch(0)
+        if protected:
+            with sdc_guard.protect(model):
+                out = model(x)
+                F.cross_entropy(out.flatten(0, 1), y.flatten()).backward()
+        else:
+            out = model(x)
+            F.cross_entropy(out.flatten(0, 1), y.flatten()).backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+    out_a, grads_a = run(False)
+    out_b, grads_b = run(True)
+    assert torch.equal(out_a, out_b)
+    assert all(torch.equal(g, h) for g, h in zip(grads_a, grads_b))
+
+
+def test_gemm_outside_modules_is_global_and_long_lived_block_steps() -> None:
+    model = MLP()
+    a, b = torch.randn(4, 8), torch.randn(8, 300)
+    fault = FlipAtCall("mm", call=1, index=(2, 299))
+    with fault, sdc_guard.protect(model) as guard:
+        _ = a @ b
+        first = guard.step()
+        _ = a @ b
+        second = guard.step()
+    assert (first.flagged, second.flagged) == (0, 1)
+    assert second.step == first.step + 1
+    (d,) = second.detections
+    assert (d.site, d.rows, d.segments) == ("global", [2], [1])
+    assert guard.reports[-1] is second  # the empty trailing step leaves no report
+
+
+def test_fused_attention_is_counted_unverified_and_math_backend_is_verified() -> None:
+    q = k = v = torch.randn(2, 4, 8, 16)
+    model = MLP()
+    with sdc_guard.protect(model) as guard:
+        F.scaled_dot_product_attention(q, k, v)
+    r = guard.last_report
+    assert r.verified == 0 and sum(r.unverified_ops.values()) == 1
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH), sdc_guard.protect(model) as guard:
+        F.scaled_dot_product_attention(q, k, v)
+    r = guard.last_report
+    assert r.unverified_ops == {} and r.verified == 2
+
+
+def test_weight_cache_hits_until_the_optimizer_updates_the_weight() -> None:
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 16)
+    with sdc_guard.protect(model) as guard:
+        model(x).sum().backward()
+        guard.step()
+        misses = guard.cache.stats.misses
+        assert misses == 3  # fc1.W.t(), fc2.W.t() forward; fc2.W in fc2's grad-input GEMM
+        model(x).sum().backward()
+        guard.step()
+        assert guard.cache.stats.misses == misses and guard.cache.stats.hits == 3
+        opt.step()
+        model(x).sum().backward()
+        guard.step()
+        assert guard.cache.stats.misses == 2 * misses
+    w = model.fc1.weight
+    a = torch.randn(5, 16)
+    c = a @ w.t()
+    cache = sdc_guard.guard.WeightCache()
+    cache.set_parameters([w])
+    cached = vabft_check(a, w.t(), c, e_max=2e-5, weight=cache.get(w.t()))
+    fresh = vabft_check(a, w.t(), c, e_max=2e-5)
+    assert torch.equal(cached.diff, fresh.diff) and torch.equal(cached.threshold, fresh.threshold)
+
+
+def test_cache_is_bounded_and_skips_non_parameters() -> None:
+    params = [torch.nn.Parameter(torch.randn(256, 512)) for _ in range(4)]
+    cache = sdc_guard.guard.WeightCache(max_bytes=5000)  # an entry is ~2.1 kB
+    cache.set_parameters(params)
+    for p in params:
+        assert cache.get(p) is not None
+    assert len(cache) < 4 and cache.nbytes <= cache.max_bytes and cache.stats.evictions > 0
+    assert cache.get(torch.randn(256, 512)) is None and cache.stats.uncacheable == 1
+
+
+def _verified_sites(reports):
+    return [r.sites_verified for r in reports]
+
+
+def test_every_n_sampler_continues_across_per_step_blocks() -> None:
+    torch.manual_seed(0)
+    reports = train_steps(MLP_like_gpt(), 7, guard_kwargs={"sampler": EveryN(3)})
+    assert [r.verified > 0 for r in reports] == [True, False, False, True, False, False, True]
+    assert all(r.verified == r.seen for r in reports if r.verified)
+
+
+def MLP_like_gpt():
+    return TinyGPT(layers=1)
+
+
+def test_rate_sampler_is_reproducible_and_proportional() -> None:
+    def run(seed):
+        torch.manual_seed(0)
+        reports = train_steps(MLP_like_gpt(), 6, guard_kwargs={"sampler": Rate(0.5, seed=seed)})
+        return [r.verified for r in reports], sum(r.seen for r in reports)
+
+    a, seen = run(1)
+    assert a == run(1)[0]
+    assert a != run(2)[0]
+    assert 0.3 * seen < sum(a) < 0.7 * seen
+
+
+def test_rotating_sampler_covers_every_site_in_each_window() -> None:
+    torch.manual_seed(0)
+    k = 3
+    sampler = Rotating(k)
+    model = MLP_like_gpt()
+    seen_sites = []
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for step in range(9):
+        x, y = lm_batch(step)
+        with sdc_guard.protect(model, sampler=sampler) as guard:
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            verified = {p.site for p in guard._pending}
+        opt.step()
+        opt.zero_grad()
+        seen_sites.append((guard.last_report.sites_seen, verified))
+    all_sites = set().union(*(v for _, v in seen_sites))
+    assert len(all_sites) == seen_sites[0][0] > k
+    for start in range(1, 9 - k + 1):
+        window = set().union(*(v for _, v in seen_sites[start:start + k]))
+        assert window == all_sites, f"window at {start} misses {all_sites - window}"
+    assert all(len(v) < len(all_sites) for _, v in seen_sites[1:])
+
+
+def test_budget_sampler_meets_its_budget_on_a_real_training_loop() -> None:
+    """Measured, not mocked: the guard's own timing of a real loop (a ratio, not a time).
+
+    The model is sized so that full verification costs less than the step (the budget's
+    coverage interval is about full overhead / budget steps)."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=256, d=256, heads=4, layers=2, ctx=64)
+    sampler = Budget(0.05)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    reports = []
+    with sdc_guard.protect(model, sampler=sampler) as guard:
+        for step in range(45):
+            x, y = lm_batch(step, batch=8, ctx=64, vocab=256)
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+            reports.append(guard.step())
+    assert reports[0].verified == reports[0].seen  # the first step measures every site
+    full_overhead = reports[0].overhead
+    later = reports[5:]
+    verify = sum(r.verify_seconds for r in later)
+    base = sum(r.step_seconds - r.verify_seconds for r in later)
+    assert verify / base < 0.1, (verify / base, full_overhead)  # budget 0.05, noise allowed
+    assert sampler.coverage(window=20) == 1.0
+    assert 0 < sampler.achieved_overhead < full_overhead
+    assert sum(r.verified for r in later) < sum(r.seen for r in later) / 4
+
+
+def test_bad_arguments_are_named() -> None:
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module, got str"):
+        sdc_guard.protect("model")
+    with pytest.raises(ValueError, match="p: expected a probability"):
+        Rate(1.5)
+    with pytest.raises(ValueError, match="n: expected a positive int"):
+        EveryN(0)
+    with pytest.raises(ValueError, match="max_overhead: expected a positive fraction"):
+        Budget(-1)
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        sdc_guard.protect(MLP(), backend="nope")
+
+
+def test_sampler_state_round_trips() -> None:
+    sampler = Rate(0.3, seed=5)
+    [sampler.should_verify(("a", "forward", "mm")) for _ in range(7)]
+    state = sampler.state_dict()
+    expected = [sampler.should_verify(("a", "forward", "mm")) for _ in range(20)]
+    other = Rate(0.3, seed=99)
+    other.load_state_dict(state)
+    assert [other.should_verify(("a", "forward", "mm")) for _ in range(20)] == expected
+    full = Full()
+    full.begin_step(4)
+    assert full.state_dict() == {"step": 4}
