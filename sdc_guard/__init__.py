@@ -12,12 +12,37 @@ from . import backends, legacy
 from . import sampling
 from .abft import decode_comp_row, encode_comp_row
 from .guard import Detection, Guard, StepReport, protect
+from .inject import GemmFault, drill, flip_parameter_bit
+from .policy import (
+    EXIT_NONDETERMINISTIC,
+    EXIT_PERSISTENT,
+    EXIT_TRANSIENT,
+    Policy,
+    SDCError,
+    SDCExit,
+    StepOutcome,
+)
+from .snapshot import SnapshotStore, load_checkpoint, save_checkpoint
 from .precision import default_e_max, set_default_e_max
 from .verify import Verdict, abft_verify, matmul_checksum, verify_matmul
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EXIT_NONDETERMINISTIC",
+    "EXIT_PERSISTENT",
+    "EXIT_TRANSIENT",
+    "GemmFault",
+    "Policy",
+    "SDCError",
+    "SDCExit",
+    "SnapshotStore",
+    "StepOutcome",
+    "flip_parameter_bit",
+    "drill",
+    "inject",
+    "load_checkpoint",
+    "save_checkpoint",
     "Detection",
     "Guard",
     "StepReport",

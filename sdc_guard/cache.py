@@ -13,7 +13,13 @@ storage cannot be freed and reused while its entry lives. Any in-place update (a
 optimizer step) bumps the version counter shared by every view of the parameter, so the
 next lookup misses; an out-of-band change (a bit flipped in memory) does not, which is how
 a corrupted weight is caught: the GEMM reads the corrupted weight, the check uses the
-encoding of the good one.
+encoding of the good one (``refresh`` after each optimizer step extends this to
+corruption at rest between steps).
+
+The flip side: a deliberate write that bypasses the version counter (``p.data.add_()``,
+a custom kernel writing into a parameter) looks exactly like a memory fault and is
+flagged. Update parameters in place under ``torch.no_grad()`` instead, call ``clear()``
+after such writes, or disable the cache (``cache_bytes=0``).
 """
 
 from __future__ import annotations
@@ -100,7 +106,10 @@ class WeightCache:
             return entry[1]
         self.stats.misses += 1
         self._drop_stale(key)
-        encoded = weight_side(b)
+        # b itself is kept (a detached alias may not share its version counter); the
+        # encoding reads a no-grad alias, since b's base may since have been updated in place
+        with torch.no_grad():
+            encoded = weight_side(b.detach())
         self._entries[key] = (b, encoded)
         self._bytes += encoded.nbytes
         self._evict()
@@ -120,6 +129,19 @@ class WeightCache:
         while self._bytes > self.max_bytes and self._entries:
             self._drop(next(iter(self._entries)))
             self.stats.evictions += 1
+
+    def refresh(self) -> int:
+        """Re-encode every cached view whose parameter changed version (after an optimizer
+        step), so the encoding is made while the weight is known fresh: a corruption at
+        rest before the next use is then caught. Costs nothing extra (the next use would
+        have missed and encoded anyway). Returns the number of views re-encoded.
+        """
+        refreshed = 0
+        for key, (view, _) in list(self._entries.items()):
+            if view._version != key[-1] and self.is_cacheable(view):
+                self.get(view)
+                refreshed += 1
+        return refreshed
 
     def clear(self) -> None:
         """Forget every encoding (after a rollback restores weights, say)."""

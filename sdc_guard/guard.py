@@ -18,26 +18,34 @@ import time
 import warnings
 import weakref
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
-from torch.utils.module_tracker import ModuleTracker
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import backends
 from .abft import AbftCheck
 from .backends import Backend, GemmRequest
 from .cache import WeightCache
-from .intercept import Gemm, GemmInterceptor
+from .intercept import Gemm, GemmInterceptor, SiteTracker, current_phase
 from .precision import SUPPORTED_DTYPES, resolve_e_max
+from .policy import Policy, Responder, StepOutcome
 from .sampling import Full, Sampler, SiteKey, StepCosts
-
-GLOBAL_SITE = "global"
+from .snapshot import SnapshotStore
 
 #: Next step number per model, so per-step ``protect()`` blocks continue one schedule.
 _next_step: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+
+
+def current_step(model: nn.Module) -> int:
+    """The step number ``protect(model)`` is on (or opens next): the schedule's clock.
+
+    >>> current_step(torch.nn.Linear(2, 2))
+    0
+    """
+    return _next_step.get(model, 0)
 
 
 @dataclass
@@ -88,6 +96,7 @@ class StepReport:
     sites_seen: int = 0
     sites_verified: int = 0
     rank: int = 0
+    attempt: int = 0  #: 0 for the step's run, 1.. for re-executions by the recompute response
     by_kind: dict[KindKey, GemmCounts] = field(default_factory=dict)  #: counts by (op, phase, dtype)
 
     @property
@@ -173,6 +182,8 @@ class Guard:
         history: int = 100,
         cache_bytes: int = 512 << 20,
         rank: int | None = None,
+        policy: Policy | None = None,
+        snapshots: SnapshotStore | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -182,15 +193,23 @@ class Guard:
             resolve_e_max(e_max, torch.float32, torch.device("cpu"))
         if isinstance(history, bool) or not isinstance(history, int) or history < 1:
             raise ValueError(f"history: expected a positive int, got {history!r}")
+        if policy is not None and not isinstance(policy, Policy):
+            raise TypeError(f"policy: expected a sdc_guard.Policy, got {type(policy).__name__}")
+        if snapshots is not None and not isinstance(snapshots, SnapshotStore):
+            raise TypeError(f"snapshots: expected a sdc_guard.SnapshotStore, got {type(snapshots).__name__}")
         self.model = model
+        self.policy = policy if policy is not None else Policy()
+        self.snapshots = snapshots
+        self.outcomes: deque[StepOutcome] = deque(maxlen=history)
+        self._responder: Responder | None = None
+        self._attempt = 0
         self.sampler: Sampler = sampler if sampler is not None else Full()
         self.e_max = e_max
         self.backend = backend
         self.cache = WeightCache(cache_bytes)
         self.reports: deque[StepReport] = deque(maxlen=history)
         self.rank = rank if rank is not None else _current_rank()
-        self._root_prefix = type(model).__name__
-        self._tracker: ModuleTracker | None = None
+        self._sites = SiteTracker(model)
         self._mode: GemmInterceptor | None = None
         self._step_open = False
         self._warned: set[str] = set()
@@ -203,7 +222,7 @@ class Guard:
     @property
     def step_index(self) -> int:
         """Number of the step now open (or next to open)."""
-        return _next_step.get(self.model, 0)
+        return current_step(self.model)
 
     @property
     def last_report(self) -> StepReport | None:
@@ -221,25 +240,46 @@ class Guard:
         self._clock = _Clock()
         self._t0 = time.perf_counter()
 
-    def _open_step(self) -> None:
+    def begin_step(self, *, rerun: bool = False) -> None:
+        """Open the next step, or (``rerun``) a re-execution of the step just closed.
+
+        A re-execution keeps the step number, counts as the next ``attempt`` and verifies
+        every GEMM whatever the sampler says: triage must see what the first run saw.
+        """
+        if self._step_open:
+            raise RuntimeError("begin_step(): a step is already open; call end_step() first")
         self._reset_step_state()
-        self.cache.set_parameters(self.model.parameters())
-        self.sampler.begin_step(self.step_index)
-        self._tracker = ModuleTracker().__enter__()
+        if rerun:
+            last = self.last_report
+            if last is None:
+                raise RuntimeError("begin_step(rerun=True): no step has been closed yet")
+            _next_step[self.model] = last.step
+            self._attempt = last.attempt + 1
+        else:
+            self._attempt = 0
+            self.cache.set_parameters(self.model.parameters())
+            self.sampler.begin_step(self.step_index)
+        self._sites.start()
         self._step_open = True
 
+    def end_step(self) -> StepReport:
+        """Close the open step: read its flags (one host sync) and report it."""
+        report = self._close_step(keep_empty=True)
+        assert report is not None
+        return report
+
     def _close_step(self, *, keep_empty: bool) -> StepReport | None:
-        """Read the step's flags (one host sync) and produce its report."""
-        assert self._tracker is not None
-        self._tracker.__exit__(None, None, None)
-        self._tracker = None
+        if not self._step_open:
+            raise RuntimeError("end_step(): no step is open (use it inside the protect() block)")
+        self._sites.stop()
         self._step_open = False
         if not keep_empty and self._seen == 0 and not self._unverified:
             return None
         report = self._build_report()
         self.reports.append(report)
-        self.sampler.end_step(StepCosts(report.step, report.step_seconds, report.verify_seconds,
-                                        dict(self._site_seconds), dict(self._site_calls)))
+        if report.attempt == 0:
+            self.sampler.end_step(StepCosts(report.step, report.step_seconds, report.verify_seconds,
+                                            dict(self._site_seconds), dict(self._site_calls)))
         _next_step[self.model] = report.step + 1
         return report
 
@@ -253,17 +293,36 @@ class Guard:
         >>> report.seen, report.verified, report.flagged
         (2, 2, 0)
         """
-        if not self._step_open:
-            raise RuntimeError("guard.step() called outside the protect() block")
-        report = self._close_step(keep_empty=True)
-        assert report is not None
-        self._open_step()
+        report = self.end_step()
+        self.begin_step()
         return report
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any]) -> StepOutcome:
+        """Run ``closure`` (zero_grad, forward, backward; returns the loss) as one guarded
+        step, respond to any detection per the policy, then step ``optimizer`` unless the
+        response says not to. Closes the step (no ``guard.step()`` needed).
+
+        >>> model = torch.nn.Linear(4, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> def closure():
+        ...     opt.zero_grad(); loss = model(torch.ones(2, 4)).sum(); loss.backward(); return loss
+        >>> with protect(model) as guard:
+        ...     outcome = guard.optimizer_step(opt, closure)
+        >>> outcome.stepped, outcome.classification
+        (True, None)
+        """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not callable(closure):
+            raise TypeError(f"closure: expected a callable, got {type(closure).__name__}")
+        if self._responder is None or self._responder.optimizer is not optimizer:
+            self._responder = Responder(self, optimizer, self.policy, self.snapshots)
+            self.snapshots = self._responder.snapshots
+        return self._responder.run(closure)
 
     def __enter__(self) -> "Guard":
         if self._mode is not None:
             raise RuntimeError("this Guard is already active")
-        self._open_step()
+        self.begin_step()
         self._mode = GemmInterceptor(self)
         self._mode.__enter__()
         return self
@@ -275,28 +334,7 @@ class Guard:
         if self._step_open:
             self._close_step(keep_empty=False)
 
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """Run a block without interception (the step stays open)."""
-        if self._mode is None:
-            yield
-            return
-        self._mode.__exit__(None, None, None)
-        try:
-            yield
-        finally:
-            self._mode.__enter__()
-
     # --- per GEMM --------------------------------------------------------------------------
-
-    def _site(self) -> str:
-        parents = self._tracker.parents if self._tracker is not None else set()
-        names = [p for p in parents if p != "Global"]
-        if not names:
-            return GLOBAL_SITE
-        deepest = max(names, key=lambda n: (n.count("."), n))
-        prefix = self._root_prefix + "."
-        return deepest[len(prefix):] if deepest.startswith(prefix) else deepest
 
     def on_unverified(self, op: str) -> None:
         """Count a GEMM-bearing op that cannot be verified."""
@@ -306,21 +344,22 @@ class Guard:
         """Called by the dispatch mode for every GEMM: sample, verify, keep flags on device."""
         call_index = self._seen
         self._seen += 1
-        phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        phase = current_phase()
         kind: KindKey = (gemm.op, phase, str(gemm.a.dtype).removeprefix("torch."))
         counts = self._by_kind.setdefault(kind, GemmCounts())
         counts.seen += 1
         if not _verifiable(gemm):
             self.on_unverified(f"{gemm.op}[{kind[2]}]")
             return
-        site: SiteKey = (self._site(), phase, gemm.op)
+        site: SiteKey = (self._sites.site(), phase, gemm.op)
         self._sites_seen.add(site)
-        if not self.sampler.should_verify(site):
+        if self._attempt == 0 and not self.sampler.should_verify(site):
             return
         device = gemm.out.device
         started = self._clock.start(device)
         try:
-            sdc, summary = self._verify(gemm)
+            with _disable_current_modes():  # modes below ours (a drill, a profiler) too
+                sdc, summary = self._verify(gemm)
         except Exception as exc:  # a monitoring failure never stops training
             self._warn_once(f"verify:{type(exc).__name__}", f"sdc_guard: could not verify a {gemm.op} "
                             f"GEMM ({type(exc).__name__}: {exc}); counting it as unverified")
@@ -383,7 +422,7 @@ class Guard:
             unverifiable=sum(1 for s in summaries if s[3] > 0),
             worst_ratio=max(ratios, default=0.0), sites_seen=len(self._sites_seen),
             sites_verified=len({p.site for p in self._pending}), rank=self.rank,
-            by_kind=dict(self._by_kind),
+            by_kind=dict(self._by_kind), attempt=self._attempt,
         )
 
 
@@ -431,15 +470,23 @@ def protect(
     sampler: Sampler | None = None,
     e_max: float | None = None,
     backend: str | None = None,
+    policy: Policy | None = None,
+    snapshots: SnapshotStore | None = None,
     history: int = 100,
     cache_bytes: int = 512 << 20,
 ) -> Guard:
     """Verify the GEMMs ``model`` runs inside the block, forward and backward.
 
     Use one block per step (the report is ``guard.last_report`` after the block), or one
-    long-lived block with ``guard.step()`` at each step boundary. ``sampler`` decides which
-    GEMMs to verify (default ``Full()``); ``e_max`` and ``backend`` are as in
-    ``verify_matmul``; ``cache_bytes`` bounds the weight-side cache.
+    long-lived block with ``guard.step()`` at each step boundary, or
+    ``guard.optimizer_step(optimizer, closure)`` to have detections answered before the
+    optimizer sees corrupted gradients. ``sampler`` decides which GEMMs to verify
+    (default ``Full()``); ``e_max`` and ``backend`` are as in ``verify_matmul``;
+    ``policy`` says how to respond (default ``Policy()``: recompute, then roll back, then
+    exit); ``snapshots`` holds the known-good state rollback returns to (default: one
+    in memory every 50 steps). Pass the same sampler, policy and snapshot store to
+    successive per-step blocks so that their state carries over; ``cache_bytes`` bounds
+    the weight-side cache.
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     >>> with protect(model) as guard:
@@ -448,4 +495,4 @@ def protect(
     (5, 5, 0)
     """
     return Guard(model, sampler=sampler, e_max=e_max, backend=backend, history=history,
-                 cache_bytes=cache_bytes)
+                 cache_bytes=cache_bytes, policy=policy, snapshots=snapshots)

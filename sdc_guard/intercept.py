@@ -18,9 +18,13 @@ from typing import Any, Callable, Protocol
 
 import torch
 from torch import Tensor
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.module_tracker import ModuleTracker
 
 aten = torch.ops.aten
+
+GLOBAL_SITE = "global"
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,50 @@ UNVERIFIED_GEMM_OPS: frozenset[Any] = frozenset(
     )
     if hasattr(aten, name)
 )
+
+
+def current_phase() -> str:
+    """``"backward"`` while the autograd engine runs a backward pass, else ``"forward"``."""
+    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+
+class SiteTracker:
+    """Which module of ``model`` is running: ``ModuleTracker``, with paths made relative.
+
+    ``ModuleTracker`` names modules ``<RootClass>.<path>``; a site is the deepest running
+    module's path relative to ``model`` ("blocks.0.attn.proj", also when a wrapper such
+    as DDP runs it), the model's class name for the model itself, and ``"global"``
+    outside any module. Re-entered once per step (its hooks accumulate while active).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._tracker: ModuleTracker | None = None
+
+    def start(self) -> None:
+        self.stop()
+        self._tracker = ModuleTracker().__enter__()
+
+    def stop(self) -> None:
+        if self._tracker is not None:
+            self._tracker.__exit__(None, None, None)
+            self._tracker = None
+
+    def site(self) -> str:
+        """The current site (see the class docstring)."""
+        parents = self._tracker.parents if self._tracker is not None else set()
+        names = [p for p in parents if p != "Global"]
+        if not names:
+            return GLOBAL_SITE
+        deepest = max(names, key=lambda n: (n.count("."), n))
+        # The model's own tracked name: its class name, or a path inside a wrapper that
+        # ran first (DDP's "DistributedDataParallel.module"). ModuleTracker keeps the map
+        # in a private attribute; the class name is the fallback.
+        known = getattr(self._tracker, "_known_modules", {})
+        root = known.get(self.model, type(self.model).__name__)
+        if deepest == root:
+            return type(self.model).__name__
+        return deepest[len(root) + 1:] if deepest.startswith(root + ".") else deepest
 
 
 class GemmSink(Protocol):

@@ -1,0 +1,64 @@
+"""Lockstep across ranks: every rank learns who flagged, and all take the same response.
+
+One small collective per step (``flagged_ranks``), one more only when something was
+flagged (``agree_max`` on the triage outcome). Without ``torch.distributed`` initialised,
+both are local no-ops, so the same code serves single-process runs.
+
+Why lockstep matters: under DDP the backward pass all-reduces gradients, so a re-run on
+one rank alone would hang the others, and a rollback on one rank alone would leave the
+replicas diverged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    """True when a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank (0 without a process group)."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    """Number of ranks (1 without a process group)."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def _device() -> torch.device:
+    """Where collective tensors must live for the default group's backend."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def flagged_ranks(flagged: bool) -> list[int]:
+    """All ranks whose step flagged, identical on every rank (one all-gather).
+
+    >>> flagged_ranks(True), flagged_ranks(False)
+    ([0], [])
+    """
+    if not is_distributed():
+        return [0] if flagged else []
+    mine = torch.tensor([1 if flagged else 0], dtype=torch.int32, device=_device())
+    everyone = [torch.zeros_like(mine) for _ in range(world_size())]
+    dist.all_gather(everyone, mine)
+    return [r for r, t in enumerate(everyone) if int(t.item())]
+
+
+def agree_max(value: int) -> int:
+    """The largest of every rank's ``value`` (the most severe triage outcome).
+
+    >>> agree_max(3)
+    3
+    """
+    if not is_distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())

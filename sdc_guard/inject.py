@@ -1,0 +1,237 @@
+"""Fault drills: corrupt chosen GEMM outputs or parameters, reproducibly.
+
+A drill proves, on the user's own model, that a corruption is caught, attributed and
+handled. ``drill(model, GemmFault(...))`` is a dispatch mode that flips chosen bits of
+chosen elements in the output of chosen GEMMs (by site, op, phase, step and call index),
+once (``sticky=False``: a transient upset) or on every matching call (``sticky=True``: a
+faulty unit). ``flip_parameter_bit`` corrupts a weight in memory, the way a bad DRAM cell
+or a stray write would: without bumping the tensor's version counter.
+
+Order matters when stacking with ``protect()``: the injector must be entered first, so
+the guard sees the corrupted output the model sees::
+
+    with sdc_guard.drill(model, GemmFault(site="fc1", step=3)), sdc_guard.protect(model):
+        ...
+
+Entering it inside an active ``protect()`` raises, because the guard would verify the
+clean output and the drill would silently prove nothing.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+from .guard import current_step
+from .intercept import GEMM_HANDLERS, GemmInterceptor, SiteTracker, current_phase
+
+_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+_TOP_EXPONENT_BIT = {torch.float32: 30, torch.float16: 14, torch.bfloat16: 14}
+DIRECTIONS = ("on", "off", "flip")
+
+
+@dataclass
+class GemmFault:
+    """Which GEMM outputs to corrupt, and how. ``None`` fields match anything.
+
+    ``site`` is a module path relative to the model ("blocks.0.attn.proj", "global");
+    ``call`` counts matching calls within the step from 0 (re-executions of the step by
+    the recompute response included); ``element`` indexes the output (if omitted: drawn
+    from the injector's seed, once for a sticky fault, which like a faulty unit then hits
+    the same position every time; clipped to smaller outputs); ``bit`` defaults to the
+    highest exponent bit and ``direction`` to ``"on"`` (0 -> 1; ``"off"`` is 1 -> 0,
+    ``"flip"`` toggles). A bit already in the requested state leaves the value unchanged
+    and the event is recorded as a no-op.
+    """
+
+    site: str | None = None
+    op: str | None = None
+    phase: str | None = None
+    step: int | None = None
+    call: int | None = None
+    element: tuple[int, ...] | None = None
+    bit: int | None = None
+    direction: str = "on"
+    sticky: bool = False
+
+    def __post_init__(self) -> None:
+        if self.direction not in DIRECTIONS:
+            raise ValueError(f"direction: expected one of {DIRECTIONS}, got {self.direction!r}")
+        if self.phase not in (None, "forward", "backward"):
+            raise ValueError(f"phase: expected 'forward', 'backward' or None, got {self.phase!r}")
+        if self.op is not None and self.op not in {str(p).split(".")[-1] for p in GEMM_HANDLERS}:
+            raise ValueError(f"op: expected a GEMM op such as 'mm' or 'addmm', got {self.op!r}")
+        for name in ("step", "call", "bit"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name}: expected a non-negative int or None, got {value!r}")
+
+
+@dataclass
+class Injection:
+    """One corruption that happened (or was a no-op)."""
+
+    step: int
+    site: str
+    op: str
+    phase: str
+    call: int
+    element: tuple[int, ...]
+    bit: int
+    before: float
+    after: float
+    changed: bool  #: False when the bit was already in the requested state
+
+
+def flip_bit(x: Tensor, element: tuple[int, ...], bit: int, direction: str = "flip") -> tuple[float, float, bool]:
+    """Set/clear/toggle ``bit`` of ``x[element]`` in place, bypassing autograd and the
+    version counter (as hardware would). Returns (value before, value after, changed).
+
+    >>> t = torch.tensor([1.0]); flip_bit(t, (0,), 30, "on")[1] > 1e38
+    True
+    """
+    if x.dtype not in _INT_VIEW:
+        raise TypeError(f"x: expected dtype float32, float16 or bfloat16, got {x.dtype}")
+    width = 32 if x.dtype == torch.float32 else 16
+    if not 0 <= bit < width:
+        raise ValueError(f"bit: expected 0..{width - 1} for {x.dtype}, got {bit}")
+    raw = x.detach().view(_INT_VIEW[x.dtype])
+    before_bits = int(raw[element])
+    mask = 1 << bit if bit < width - 1 else -(1 << bit)  # the sign bit of a signed int view
+    if direction == "on":
+        after_bits = before_bits | mask
+    elif direction == "off":
+        after_bits = before_bits & ~mask
+    else:
+        after_bits = before_bits ^ mask
+    before = float(x.detach()[element])
+    raw[element] = after_bits
+    return before, float(x.detach()[element]), after_bits != before_bits
+
+
+def flip_parameter_bit(
+    model: nn.Module, name: str, element: tuple[int, ...] | None = None, bit: int | None = None,
+    *, direction: str = "flip", seed: int = 0,
+) -> Injection:
+    """Corrupt parameter ``name`` of ``model`` in memory (no version bump: invisible to
+    autograd and to in-place tracking, like a real memory fault).
+
+    >>> model = torch.nn.Linear(4, 3)
+    >>> flip_parameter_bit(model, "weight", (1, 2), 30, direction="on").changed
+    True
+    """
+    params = dict(model.named_parameters())
+    if name not in params:
+        raise ValueError(f"name: expected a parameter of the model ({', '.join(params)}), got {name!r}")
+    p = params[name]
+    element = element if element is not None else _random_element(p.shape, random.Random(seed))
+    bit = bit if bit is not None else _TOP_EXPONENT_BIT[p.dtype]
+    before, after, changed = flip_bit(p.data, element, bit, direction)
+    return Injection(current_step(model), name, "parameter", "memory", 0, element, bit, before, after, changed)
+
+
+def _random_element(shape: torch.Size, rng: random.Random) -> tuple[int, ...]:
+    return tuple(rng.randrange(s) for s in shape)
+
+
+class FaultInjector(TorchDispatchMode):
+    """Dispatch mode applying ``faults`` to the GEMMs of ``model``; see the module doc.
+
+    ``injections`` lists what was done, in order.
+    """
+
+    def __init__(self, model: nn.Module, *faults: GemmFault, seed: int = 0) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        for f in faults:
+            if not isinstance(f, GemmFault):
+                raise TypeError(f"faults: expected GemmFault objects, got {type(f).__name__}")
+        self.model = model
+        self.faults = list(faults)
+        self.injections: list[Injection] = []
+        self._rng = random.Random(seed)
+        self._sites = SiteTracker(model)
+        self._spent: set[int] = set()  #: indices of non-sticky faults already fired
+        self._counts: dict[int, int] = {}
+        self._count_step = -1
+        self._positions: dict[int, tuple[int, ...]] = {}  #: element of each sticky fault
+
+    def __enter__(self) -> "FaultInjector":
+        if any(isinstance(m, GemmInterceptor) for m in _get_current_dispatch_mode_stack()):
+            raise RuntimeError(
+                "drill(): enter the injector before protect(), e.g. "
+                "`with drill(model, fault), protect(model):`; inside protect() the guard "
+                "would verify the clean output and the drill would prove nothing"
+            )
+        self._sites.start()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._sites.stop()
+
+    def remove(self, fault: GemmFault) -> None:
+        """Stop applying ``fault`` (a replaced node no longer has the faulty unit)."""
+        self.faults = [f for f in self.faults if f is not fault]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        packet = func.overloadpacket
+        if packet in GEMM_HANDLERS and func is packet.default and isinstance(out, Tensor) and out.dtype in _INT_VIEW:
+            self._maybe_corrupt(str(packet).split(".")[-1], out)
+        return out
+
+    def _maybe_corrupt(self, op: str, out: Tensor) -> None:
+        step = current_step(self.model)
+        if step != self._count_step:
+            self._counts, self._count_step = {}, step
+        site, phase = self._sites.site(), current_phase()
+        for i, fault in enumerate(self.faults):
+            key = id(fault)
+            if key in self._spent or not _matches(fault, site, op, phase, step):
+                continue
+            call = self._counts.get(key, 0)
+            self._counts[key] = call + 1
+            if fault.call is not None and call != fault.call:
+                continue
+            element = fault.element
+            if element is None:
+                # a faulty unit corrupts the same position every time: draw it once
+                element = self._positions.get(key) or _random_element(out.shape, self._rng)
+                if fault.sticky:
+                    self._positions[key] = element
+            element = tuple(min(i, s - 1) for i, s in zip(element, out.shape))
+            bit = fault.bit if fault.bit is not None else _TOP_EXPONENT_BIT[out.dtype]
+            before, after, changed = flip_bit(out, element, bit, fault.direction)
+            self.injections.append(Injection(step, site, op, phase, call, element, bit, before, after, changed))
+            if not fault.sticky:
+                self._spent.add(key)
+
+
+def _matches(fault: GemmFault, site: str, op: str, phase: str, step: int) -> bool:
+    return (
+        (fault.site is None or fault.site == site)
+        and (fault.op is None or fault.op == op)
+        and (fault.phase is None or fault.phase == phase)
+        and (fault.step is None or fault.step == step or (fault.sticky and step >= fault.step))
+    )
+
+
+def drill(model: nn.Module, *faults: GemmFault, seed: int = 0) -> FaultInjector:
+    """A fault drill on ``model``'s GEMMs; enter it before ``protect()``.
+
+    A sticky fault with a ``step`` starts at that step and stays (a unit that failed).
+
+    >>> model = torch.nn.Linear(4, 3)
+    >>> with drill(model, GemmFault(op="addmm")) as faults:
+    ...     _ = model(torch.randn(2, 4))
+    >>> len(faults.injections)
+    1
+    """
+    return FaultInjector(model, *faults, seed=seed)

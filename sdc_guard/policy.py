@@ -1,0 +1,318 @@
+"""Respond to corruption: triage by re-execution, recompute, skip, roll back, raise, exit.
+
+State machine of one guarded optimizer step (``Guard.optimizer_step``), in the spirit of
+Megatron-LM's ``rerun_state_machine``; every rank walks it in lockstep::
+
+    RUN closure (forward + backward, RNG state saved)
+     |
+     +-- no rank flagged ------------------------------------------> STEP (optimizer.step)
+     |
+     +-- some rank flagged: action = policy.on_detection
+           log        -> STEP anyway, snapshots tainted             [UNCONFIRMED]
+           skip       -> SKIPPED: gradients dropped, optimizer untouched  [UNCONFIRMED]
+           rollback   -> ROLLED_BACK to the last known-good snapshot      [UNCONFIRMED]
+           raise      -> SDCError                                         [UNCONFIRMED]
+           exit       -> process exit, EXIT_TRANSIENT                     [UNCONFIRMED]
+           recompute  -> TRIAGE: re-run the closure ``reruns`` times, RNG and gradients
+                         restored, every GEMM verified:
+                re-runs clean (and, if several, bitwise equal) -> TRANSIENT:
+                        STEP with the re-run's gradients
+                re-runs flagged exactly like the original       -> PERSISTENT:
+                        action = on_persistent (default rollback), or on_repeated
+                        (default exit, EXIT_PERSISTENT) if another PERSISTENT happened
+                        within ``window`` steps
+                otherwise                                        -> NON_DETERMINISTIC:
+                        action = on_nondeterministic (default skip); recorded as such,
+                        never treated as transient or persistent
+
+The triage outcome is agreed across ranks by severity (persistent > non-deterministic >
+transient), so all ranks take the same action at the same step.
+
+Exit codes, for the scheduler:
+
+- ``EXIT_TRANSIENT`` (16): stopped on a detection that was not shown to be persistent;
+  restarting from the last checkpoint on the same node is reasonable.
+- ``EXIT_PERSISTENT`` (17): a fault reproduced on re-execution; replace this node.
+- ``EXIT_NONDETERMINISTIC`` (18): re-executions disagreed; suspect the hardware or a
+  non-deterministic kernel; investigate before reusing the node.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import Tensor
+
+from . import distributed
+from .snapshot import SnapshotStore
+
+if TYPE_CHECKING:
+    from .guard import Guard, StepReport
+
+log = logging.getLogger("sdc_guard")
+
+EXIT_TRANSIENT = 16
+EXIT_PERSISTENT = 17
+EXIT_NONDETERMINISTIC = 18
+
+ACTIONS = ("log", "raise", "skip", "recompute", "rollback", "exit")
+
+
+class Triage(enum.IntEnum):
+    """Outcome of re-execution, ordered by severity (the lockstep agreement takes the max)."""
+
+    CLEAN = 0  #: this rank never flagged
+    TRANSIENT = 1
+    NON_DETERMINISTIC = 2
+    PERSISTENT = 3
+
+
+#: metric/report names of the classifications
+CLASSIFICATIONS = ("transient", "persistent", "non_deterministic", "unconfirmed")
+
+
+class SDCError(RuntimeError):
+    """Raised by the ``raise`` response; carries the step's report and classification."""
+
+    def __init__(self, outcome: "StepOutcome") -> None:
+        self.outcome = outcome
+        self.report = outcome.report
+        where = ", ".join(f"{d.site} ({d.phase} {d.op}, rank {d.rank})" for d in outcome.report.detections)
+        super().__init__(f"silent data corruption detected at step {outcome.step} on rank(s) "
+                         f"{outcome.flagged_ranks}: {where or 'another rank'}; classification "
+                         f"{outcome.classification}")
+
+
+class SDCExit(SystemExit):
+    """Raised by the ``exit`` response: a ``SystemExit`` with a documented code."""
+
+    def __init__(self, code: int, outcome: "StepOutcome") -> None:
+        super().__init__(code)
+        self.outcome = outcome
+
+
+@dataclass
+class StepOutcome:
+    """What a guarded optimizer step did."""
+
+    step: int
+    loss: Any
+    report: "StepReport"  #: the step's first run
+    flagged_ranks: list[int] = field(default_factory=list)
+    classification: str | None = None  #: one of CLASSIFICATIONS, None when clean
+    action: str | None = None  #: the response taken, None when clean
+    stepped: bool = True  #: whether the optimizer updated the parameters
+    reruns: list["StepReport"] = field(default_factory=list)
+    rolled_back_to: int | None = None
+
+
+def _check_action(name: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name}: expected one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
+@dataclass
+class Policy:
+    """How to respond to a detection; defaults chosen for a real training job.
+
+    Re-execute first (most SDC events are transient, and a clean re-run keeps training
+    exactly on course), roll back if the fault reproduces, and exit for node replacement
+    if it reproduces again within ``window`` steps. Re-runs that disagree are skipped and
+    reported as non-deterministic.
+
+    >>> Policy().on_detection, Policy().on_persistent, Policy().on_repeated
+    ('recompute', 'rollback', 'exit')
+    """
+
+    on_detection: str = "recompute"
+    on_persistent: str = "rollback"
+    on_repeated: str = "exit"
+    on_nondeterministic: str = "skip"
+    reruns: int = 1
+    window: int = 100
+    exit_report_dir: str | None = None  #: where ``exit`` writes ``sdc_guard-exit.json``
+    persistent_steps: list[int] = field(default_factory=list)  #: escalation memory
+
+    def __post_init__(self) -> None:
+        _check_action("on_detection", self.on_detection, ACTIONS)
+        final = tuple(a for a in ACTIONS if a != "recompute")
+        _check_action("on_persistent", self.on_persistent, final)
+        _check_action("on_repeated", self.on_repeated, final)
+        _check_action("on_nondeterministic", self.on_nondeterministic, final)
+        for name in ("reruns", "window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+
+    def escalate(self, step: int) -> str:
+        """Action for a PERSISTENT triage at ``step``, remembering it for the window."""
+        repeated = any(step - s <= self.window for s in self.persistent_steps)
+        self.persistent_steps = [s for s in self.persistent_steps if step - s <= self.window] + [step]
+        return self.on_repeated if repeated else self.on_persistent
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"persistent_steps": list(self.persistent_steps)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.persistent_steps = [int(s) for s in state["persistent_steps"]]
+
+
+@dataclass
+class _Rng:
+    """The random state a re-run must reproduce (dropout and friends)."""
+
+    cpu: Tensor
+    cuda: list[Tensor]
+
+    @classmethod
+    def capture(cls) -> "_Rng":
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        return cls(torch.get_rng_state(), cuda)
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
+def _grads(params: list[Tensor]) -> list[Tensor | None]:
+    return [None if p.grad is None else p.grad.detach().clone() for p in params]
+
+
+def _set_grads(params: list[Tensor], grads: list[Tensor | None]) -> None:
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.clone()
+
+
+def _signature(report: "StepReport") -> frozenset:
+    return frozenset((d.site, d.phase, d.op, tuple(d.rows), tuple(d.segments)) for d in report.detections)
+
+
+class Responder:
+    """Runs ``Guard.optimizer_step``: the state machine of the module docstring."""
+
+    def __init__(self, guard: "Guard", optimizer: torch.optim.Optimizer, policy: Policy,
+                 snapshots: SnapshotStore | None) -> None:
+        self.guard = guard
+        self.optimizer = optimizer
+        self.policy = policy
+        self.snapshots = snapshots if snapshots is not None else SnapshotStore(guard.model, optimizer)
+        self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        if self.snapshots.last_good is None and not self.snapshots.checkpoints():
+            self.snapshots.take(guard.step_index - 1)  # the state before the first guarded step
+
+    def run(self, closure: Callable[[], Any]) -> StepOutcome:
+        rng = _Rng.capture()
+        grads_before = _grads(self._params)
+        loss = closure()
+        report = self.guard.end_step()
+        outcome = StepOutcome(report.step, loss, report, distributed.flagged_ranks(report.flagged > 0))
+        if outcome.flagged_ranks:
+            self._respond(outcome, closure, rng, grads_before)
+        else:
+            self.optimizer.step()
+        self.guard.cache.refresh()  # encode the updated weights now, while known fresh
+        if outcome.stepped or outcome.action == "skip":
+            self.snapshots.after_step(report.step)
+        self.guard.outcomes.append(outcome)
+        self.guard.begin_step()
+        return outcome
+
+    def _respond(self, outcome: StepOutcome, closure: Callable[[], Any], rng: _Rng,
+                 grads_before: list[Tensor | None]) -> None:
+        action = self.policy.on_detection
+        outcome.classification = "unconfirmed"
+        if action == "recompute":
+            triage = self._triage(outcome, closure, rng, grads_before)
+            outcome.classification = triage.name.lower()
+            if triage == Triage.TRANSIENT:
+                outcome.action = "recompute"
+                self.snapshots.note_detection(resolved=True)
+                self.optimizer.step()  # with the clean re-run's gradients
+                return
+            action = (self.policy.escalate(outcome.step) if triage == Triage.PERSISTENT
+                      else self.policy.on_nondeterministic)
+        outcome.action = action
+        log.warning("sdc_guard: corruption at step %d on rank(s) %s (%s): %s", outcome.step,
+                    outcome.flagged_ranks, outcome.classification, action)
+        self._apply(action, outcome)
+
+    def _triage(self, outcome: StepOutcome, closure: Callable[[], Any], rng: _Rng,
+                grads_before: list[Tensor | None]) -> Triage:
+        """Re-run the step ``policy.reruns`` times on every rank; classify; agree."""
+        original = _signature(outcome.report)
+        signatures, rerun_grads = [], []
+        for _ in range(self.policy.reruns):
+            rng.restore()
+            _set_grads(self._params, grads_before)
+            self.guard.begin_step(rerun=True)
+            outcome.loss = closure()
+            rerun = self.guard.end_step()
+            outcome.reruns.append(rerun)
+            signatures.append(_signature(rerun))
+            if self.policy.reruns > 1:
+                rerun_grads.append(_grads(self._params))
+        local = _classify(original, signatures, rerun_grads)
+        return Triage(distributed.agree_max(int(local)))
+
+    def _apply(self, action: str, outcome: StepOutcome) -> None:
+        if action == "log":
+            self.snapshots.note_detection(resolved=False)
+            self.optimizer.step()
+        elif action == "skip":
+            self.snapshots.note_detection(resolved=True)
+            self.optimizer.zero_grad(set_to_none=True)
+            outcome.stepped = False
+        elif action == "rollback":
+            self.optimizer.zero_grad(set_to_none=True)
+            restored = self.snapshots.restore()
+            outcome.rolled_back_to = restored.step
+            outcome.stepped = False
+        elif action == "raise":
+            outcome.stepped = False
+            raise SDCError(outcome)
+        elif action == "exit":
+            outcome.stepped = False
+            self._exit(outcome)
+
+    def _exit(self, outcome: StepOutcome) -> None:
+        code = {"persistent": EXIT_PERSISTENT, "non_deterministic": EXIT_NONDETERMINISTIC}.get(
+            outcome.classification or "", EXIT_TRANSIENT)
+        if self.policy.exit_report_dir is not None and distributed.rank() == 0:
+            path = Path(self.policy.exit_report_dir) / "sdc_guard-exit.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({
+                "exit_code": code, "step": outcome.step, "flagged_ranks": outcome.flagged_ranks,
+                "classification": outcome.classification, "pid": os.getpid(),
+                "detections": [asdict(d) for d in outcome.report.detections],
+            }, indent=2, default=str))
+        log.error("sdc_guard: exiting with code %d (%s) at step %d", code, outcome.classification, outcome.step)
+        sys.stdout.flush()
+        raise SDCExit(code, outcome)
+
+
+def _classify(original: frozenset, signatures: list[frozenset], rerun_grads: list) -> Triage:
+    """The seed's three-way logic, on this rank's detections."""
+    if not original and not any(signatures):
+        return Triage.CLEAN
+    if not any(signatures):
+        if len(rerun_grads) > 1 and not all(_same(rerun_grads[0], g) for g in rerun_grads[1:]):
+            return Triage.NON_DETERMINISTIC
+        return Triage.TRANSIENT
+    if original and all(s == original for s in signatures):
+        return Triage.PERSISTENT
+    return Triage.NON_DETERMINISTIC
+
+
+def _same(a: list[Tensor | None], b: list[Tensor | None]) -> bool:
+    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+               for x, y in zip(a, b))

@@ -1,0 +1,37 @@
+"""One rank of the distributed response tests (spawned by torch.multiprocessing)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import sdc_guard
+from respond_helpers import make_model, train
+
+
+def run(rank: int, world_size: int, port: int, scenario: str, out_dir: str) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        model = make_model()
+        ddp = DDP(model)
+        faults: tuple = ()
+        if scenario == "transient" and rank == 1:
+            faults = (sdc_guard.GemmFault(site="blocks.0.fc1", phase="forward", step=2),)
+        if scenario == "sticky" and rank == world_size - 1:
+            faults = (sdc_guard.GemmFault(site="head", step=3, sticky=True),)
+        outcomes, losses, _ = train(model, 6, faults=faults, rank=rank, wrapped=ddp,
+                                    remove_faults_after=4 if scenario == "sticky" else None)
+        torch.save([p.detach() for p in model.parameters()], Path(out_dir) / f"rank{rank}.pt")
+        summary = [{"step": o.step, "flagged_ranks": o.flagged_ranks, "classification": o.classification,
+                    "action": o.action, "stepped": o.stepped, "rolled_back_to": o.rolled_back_to}
+                   for o in outcomes]
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"outcomes": summary, "losses": losses}))
+    finally:
+        dist.destroy_process_group()

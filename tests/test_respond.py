@@ -1,0 +1,250 @@
+"""Responses: fault drills, triage by re-execution, recompute, rollback, raise, exit, lockstep."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import sdc_guard  # noqa: E402
+from respond_helpers import closure_for, make_model, params_of, train  # noqa: E402
+from sdc_guard import GemmFault, Policy  # noqa: E402
+
+HERE = Path(__file__).parent
+
+
+def test_transient_fault_is_recomputed_and_training_is_bit_identical() -> None:
+    clean_model = make_model()
+    clean, clean_losses, _ = train(clean_model, 6)
+    assert all(o.classification is None and o.stepped for o in clean)
+
+    model = make_model()
+    fault = GemmFault(site="blocks.0.attn.qkv", phase="forward", step=3)
+    outcomes, losses, _ = train(model, 6, faults=(fault,))
+    hit = outcomes[3]
+    assert hit.report.flagged == 1 and hit.report.detections[0].site == "blocks.0.attn.qkv"
+    assert (hit.classification, hit.action, hit.stepped) == ("transient", "recompute", True)
+    assert len(hit.reruns) == 1 and hit.reruns[0].flagged == 0 and hit.reruns[0].attempt == 1
+    assert hit.reruns[0].step == hit.step
+    assert all(o.classification is None for i, o in enumerate(outcomes) if i != 3)
+    assert losses == clean_losses
+    assert all(torch.equal(a, b) for a, b in zip(params_of(model), params_of(clean_model)))
+
+
+def test_backward_fault_is_recomputed_too() -> None:
+    clean_model = make_model()
+    train(clean_model, 4)
+    model = make_model()
+    outcomes, _, _ = train(model, 4, faults=(GemmFault(site="head", phase="backward", step=1),))
+    assert outcomes[1].report.detections[0].phase == "backward"
+    assert outcomes[1].classification == "transient"
+    assert all(torch.equal(a, b) for a, b in zip(params_of(model), params_of(clean_model)))
+
+
+def test_sticky_fault_is_persistent_rolled_back_and_training_converges() -> None:
+    model = make_model()
+    fault = GemmFault(site="blocks.0.fc2", step=5, sticky=True)
+    outcomes, losses, store = train(model, 40, faults=(fault,), remove_faults_after=6, lr=3e-3)
+    hit = outcomes[5]
+    assert (hit.classification, hit.action, hit.stepped) == ("persistent", "rollback", False)
+    assert hit.reruns[0].flagged == hit.report.flagged == 3  # every GEMM of fc2: forward, grad-input, grad-weight
+    assert hit.rolled_back_to == 4  # snapshots every 2 steps
+    assert all(o.classification is None for o in outcomes[6:])
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.2  # converges after the node "swap"
+    assert store.last_good is not None and store.last_good.step > 5
+
+
+def test_rollback_restores_model_and_optimizer_state_exactly() -> None:
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    store = sdc_guard.SnapshotStore(model, opt, every=1)
+    policy = Policy(on_detection="rollback")
+    with sdc_guard.drill(model, GemmFault(site="head", step=3)), \
+            sdc_guard.protect(model, policy=policy, snapshots=store) as guard:
+        for step in range(3):
+            guard.optimizer_step(opt, closure_for(model, opt, step))
+        params, opt_state = params_of(model), {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state_dict()["state"].items()}
+        outcome = guard.optimizer_step(opt, closure_for(model, opt, 3))
+    assert (outcome.action, outcome.classification, outcome.rolled_back_to) == ("rollback", "unconfirmed", 2)
+    assert all(torch.equal(a, b) for a, b in zip(params_of(model), params))
+    state = opt.state_dict()["state"]
+    assert all(torch.equal(state[k][n], t) for k, v in opt_state.items() for n, t in v.items())
+
+
+def test_corrupted_weight_in_memory_is_caught_through_the_cache_and_repaired() -> None:
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    store = sdc_guard.SnapshotStore(model, opt, every=1)
+    with sdc_guard.protect(model, snapshots=store) as guard:
+        for step in range(3):
+            assert guard.optimizer_step(opt, closure_for(model, opt, step)).classification is None
+        hit = sdc_guard.flip_parameter_bit(model, "blocks.0.fc1.weight", (7, 3), bit=30, direction="on")
+        assert hit.changed and model.blocks[0].fc1.weight._version == model.blocks[0].fc1.bias._version
+        outcome = guard.optimizer_step(opt, closure_for(model, opt, 3))
+        after = guard.optimizer_step(opt, closure_for(model, opt, 4))
+    sites = {d.site for d in outcome.report.detections}
+    assert "blocks.0.fc1" in sites
+    assert (outcome.classification, outcome.action, outcome.rolled_back_to) == ("persistent", "rollback", 2)
+    assert after.classification is None and after.stepped
+    assert store.last_good.step == 4
+
+
+def test_nondeterministic_reruns_are_recorded_and_skipped() -> None:
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    # the original run and the second re-run are hit, the first re-run is clean
+    faults = (GemmFault(site="head", phase="forward", step=2, call=0),
+              GemmFault(site="head", phase="forward", step=2, call=2))
+    with sdc_guard.drill(model, *faults), \
+            sdc_guard.protect(model, policy=Policy(reruns=2)) as guard:
+        for step in range(2):
+            guard.optimizer_step(opt, closure_for(model, opt, step))
+        before, state = params_of(model), {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state_dict()["state"].items()}
+        outcome = guard.optimizer_step(opt, closure_for(model, opt, 2))
+    assert [r.flagged for r in outcome.reruns] == [0, 1]
+    assert (outcome.classification, outcome.action, outcome.stepped) == ("non_deterministic", "skip", False)
+    assert all(torch.equal(a, b) for a, b in zip(params_of(model), before))  # skip: no update
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(after[k][n], t) for k, v in state.items() for n, t in v.items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_raise_response_raises_sdc_error_with_the_report() -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with pytest.raises(sdc_guard.SDCError) as info:
+        with sdc_guard.drill(model, GemmFault(site="head", step=0)), \
+                sdc_guard.protect(model, policy=Policy(on_detection="raise")) as guard:
+            guard.optimizer_step(opt, closure_for(model, opt, 0))
+    assert info.value.report.flagged == 1 and info.value.report.detections[0].site == "head"
+    assert "silent data corruption detected at step" in str(info.value)
+
+
+EXIT_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {here!r})
+    import sdc_guard
+    from respond_helpers import make_model, train
+    policy = sdc_guard.Policy(**{policy}, exit_report_dir={out!r})
+    train(make_model(), 6, faults=(sdc_guard.GemmFault(site="head", step=2, sticky=True),), policy=policy)
+    print("not reached")
+""")
+
+
+@pytest.mark.parametrize("policy, code, classification", [
+    ("{}", sdc_guard.EXIT_PERSISTENT, "persistent"),  # recompute -> rollback -> persistent again -> exit
+    ("{'on_detection': 'exit'}", sdc_guard.EXIT_TRANSIENT, "unconfirmed"),
+])
+def test_exit_response_exits_with_the_documented_code(tmp_path: Path, policy: str, code: int,
+                                                      classification: str) -> None:
+    script = EXIT_SCRIPT.format(here=str(HERE), policy=policy, out=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert "not reached" not in proc.stdout
+    report = json.loads((tmp_path / "sdc_guard-exit.json").read_text())
+    assert report["exit_code"] == code and report["classification"] == classification
+    assert report["detections"][0]["site"] == "head"
+
+
+def test_killed_checkpoint_write_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+    sdc_guard.save_checkpoint(path, {"step": 1, "w": torch.arange(10.0)})
+    writer = textwrap.dedent(f"""
+        import torch, sdc_guard
+        big = {{"step": 2, "w": torch.zeros(64, 1024, 1024)}}   # 256 MiB: takes a while to write
+        print("writing", flush=True)
+        sdc_guard.save_checkpoint({str(path)!r}, big)
+        print("done", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", writer], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    deadline = time.time() + 60
+    while not list(tmp_path.glob(".ckpt.pt.tmp-*")) and time.time() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    state = sdc_guard.load_checkpoint(path)
+    assert state["step"] == 1 and torch.equal(state["w"], torch.arange(10.0))
+
+
+def test_checkpoints_are_written_atomically_and_restored_after_a_restart(tmp_path: Path) -> None:
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    store = sdc_guard.SnapshotStore(model, opt, every=2, keep=2, checkpoint_dir=tmp_path)
+    with sdc_guard.protect(model, snapshots=store) as guard:
+        for step in range(6):
+            guard.optimizer_step(opt, closure_for(model, opt, step))
+    names = sorted(p.name for p in store.checkpoints())
+    assert names == ["sdc_guard-step2.pt", "sdc_guard-step4.pt"]
+    saved = params_of(model)  # state after step 5; checkpoint 4 is older
+    fresh_model = make_model(seed=1)
+    fresh_opt = torch.optim.Adam(fresh_model.parameters(), lr=1e-2)
+    restored = sdc_guard.SnapshotStore(fresh_model, fresh_opt, checkpoint_dir=tmp_path).restore()
+    assert restored.step == 4
+    state = sdc_guard.load_checkpoint(tmp_path / "sdc_guard-step4.pt")
+    assert all(torch.equal(p, state["model"][n]) for n, p in fresh_model.state_dict().items())
+    assert not torch.equal(params_of(fresh_model)[0], saved[0])
+    assert fresh_opt.state_dict()["state"]
+
+
+def test_drill_arguments_and_stacking_order() -> None:
+    model = make_model()
+    with pytest.raises(ValueError, match="direction: expected one of"):
+        GemmFault(direction="up")
+    with pytest.raises(ValueError, match="op: expected a GEMM op"):
+        GemmFault(op="conv")
+    with pytest.raises(ValueError, match="name: expected a parameter of the model"):
+        sdc_guard.flip_parameter_bit(model, "nope")
+    with pytest.raises(ValueError, match="on_persistent: expected one of"):
+        Policy(on_persistent="recompute")
+    with sdc_guard.protect(model):
+        with pytest.raises(RuntimeError, match="enter the injector before protect"):
+            with sdc_guard.drill(model, GemmFault()):
+                pass
+
+
+def test_drills_are_reproducible_with_a_seed() -> None:
+    def run(seed):
+        model = make_model()
+        with sdc_guard.drill(model, GemmFault(op="addmm", sticky=True), seed=seed) as drill:
+            model(torch.randint(0, 64, (2, 16)))
+        return [(i.site, i.element, i.bit) for i in drill.injections]
+
+    assert run(3) == run(3) and run(3) != run(4)
+    assert len(run(3)) == 5  # qkv, proj, fc1, fc2, head: every addmm of the forward
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world_size, scenario", [(2, "transient"), (4, "sticky")])
+def test_distributed_lockstep(tmp_path: Path, world_size: int, scenario: str) -> None:
+    import ddp_worker
+
+    mp.spawn(ddp_worker.run, args=(world_size, _free_port(), scenario, str(tmp_path)),
+             nprocs=world_size, join=True)
+    params = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
+    for other in params[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(params[0], other))
+    summaries = [json.loads((tmp_path / f"rank{r}.json").read_text())["outcomes"] for r in range(world_size)]
+    assert all(s == summaries[0] for s in summaries)  # every rank took the same response
+    flagged = [o for o in summaries[0] if o["flagged_ranks"]]
+    if scenario == "transient":
+        assert [(o["step"], o["flagged_ranks"], o["classification"]) for o in flagged] == [(2, [1], "transient")]
+    else:
+        assert [(o["step"], o["flagged_ranks"], o["classification"], o["action"], o["rolled_back_to"])
+                for o in flagged] == [(3, [world_size - 1], "persistent", "rollback", 2)]
