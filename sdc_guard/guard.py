@@ -19,7 +19,7 @@ import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -166,6 +166,13 @@ def _summarize(check: AbftCheck) -> tuple[Tensor, Tensor]:
     return sdc, summary
 
 
+class MetricsSink(Protocol):
+    """Where reports and outcomes go (``sdc_guard.metrics.GuardMetrics``)."""
+
+    def observe_report(self, report: "StepReport") -> None: ...
+    def observe_outcome(self, outcome: StepOutcome) -> None: ...
+
+
 class Guard:
     """Verifies the GEMMs of ``model``'s steps; see ``protect``.
 
@@ -184,6 +191,7 @@ class Guard:
         rank: int | None = None,
         policy: Policy | None = None,
         snapshots: SnapshotStore | None = None,
+        metrics: MetricsSink | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -200,6 +208,7 @@ class Guard:
         self.model = model
         self.policy = policy if policy is not None else Policy()
         self.snapshots = snapshots
+        self.metrics = metrics
         self.outcomes: deque[StepOutcome] = deque(maxlen=history)
         self._responder: Responder | None = None
         self._attempt = 0
@@ -277,6 +286,7 @@ class Guard:
             return None
         report = self._build_report()
         self.reports.append(report)
+        self._publish("observe_report", report)
         if report.attempt == 0:
             self.sampler.end_step(StepCosts(report.step, report.step_seconds, report.verify_seconds,
                                             dict(self._site_seconds), dict(self._site_calls)))
@@ -392,6 +402,16 @@ class Guard:
             chosen = self._backend_choice[key] = backends.select(req, self.backend)
         return chosen
 
+    def _publish(self, method: str, item: Any) -> None:
+        """Hand a report or outcome to the metrics sink; a failure there warns once."""
+        if self.metrics is None:
+            return
+        try:
+            getattr(self.metrics, method)(item)
+        except Exception as exc:  # monitoring never stops training
+            self._warn_once(f"metrics:{method}", f"sdc_guard: metrics {method} failed "
+                            f"({type(exc).__name__}: {exc}); training continues")
+
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -472,6 +492,7 @@ def protect(
     backend: str | None = None,
     policy: Policy | None = None,
     snapshots: SnapshotStore | None = None,
+    metrics: MetricsSink | None = None,
     history: int = 100,
     cache_bytes: int = 512 << 20,
 ) -> Guard:
@@ -485,8 +506,9 @@ def protect(
     ``policy`` says how to respond (default ``Policy()``: recompute, then roll back, then
     exit); ``snapshots`` holds the known-good state rollback returns to (default: one
     in memory every 50 steps). Pass the same sampler, policy and snapshot store to
-    successive per-step blocks so that their state carries over; ``cache_bytes`` bounds
-    the weight-side cache.
+    successive per-step blocks so that their state carries over; ``metrics`` receives
+    every report and outcome (``sdc_guard.metrics.GuardMetrics`` exports them to
+    Prometheus); ``cache_bytes`` bounds the weight-side cache.
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     >>> with protect(model) as guard:
@@ -495,4 +517,4 @@ def protect(
     (5, 5, 0)
     """
     return Guard(model, sampler=sampler, e_max=e_max, backend=backend, history=history,
-                 cache_bytes=cache_bytes, policy=policy, snapshots=snapshots)
+                 cache_bytes=cache_bytes, policy=policy, snapshots=snapshots, metrics=metrics)

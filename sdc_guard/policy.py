@@ -216,14 +216,17 @@ class Responder:
         loss = closure()
         report = self.guard.end_step()
         outcome = StepOutcome(report.step, loss, report, distributed.flagged_ranks(report.flagged > 0))
-        if outcome.flagged_ranks:
-            self._respond(outcome, closure, rng, grads_before)
-        else:
-            self.optimizer.step()
+        try:
+            if outcome.flagged_ranks:
+                self._respond(outcome, closure, rng, grads_before)
+            else:
+                self.optimizer.step()
+        finally:  # raise and exit are responses too: record them
+            self.guard.outcomes.append(outcome)
+            self.guard._publish("observe_outcome", outcome)
         self.guard.cache.refresh()  # encode the updated weights now, while known fresh
         if outcome.stepped or outcome.action == "skip":
             self.snapshots.after_step(report.step)
-        self.guard.outcomes.append(outcome)
         self.guard.begin_step()
         return outcome
 
