@@ -28,7 +28,17 @@ from .verify import Verdict, abft_verify, matmul_checksum, verify_matmul
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """``sdc_guard.SDCGuard`` without importing Lightning until it is used."""
+    if name == "SDCGuard":
+        from .integrations.lightning import SDCGuard
+
+        return SDCGuard
+    raise AttributeError(f"module 'sdc_guard' has no attribute {name!r}")
+
 __all__ = [
+    "SDCGuard",
     "EXIT_NONDETERMINISTIC",
     "EXIT_PERSISTENT",
     "EXIT_TRANSIENT",

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from contextlib import contextmanager
 import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -46,6 +47,13 @@ def current_step(model: nn.Module) -> int:
     0
     """
     return _next_step.get(model, 0)
+
+
+def set_current_step(model: nn.Module, step: int) -> None:
+    """Set the step number of ``model``'s schedule (a resumed run continues its count)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step: expected a non-negative int, got {step!r}")
+    _next_step[model] = step
 
 
 @dataclass
@@ -307,10 +315,15 @@ class Guard:
         self.begin_step()
         return report
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any]) -> StepOutcome:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None,
+                       *, step_fn: Callable[[], Any] | None = None) -> StepOutcome:
         """Run ``closure`` (zero_grad, forward, backward; returns the loss) as one guarded
         step, respond to any detection per the policy, then step ``optimizer`` unless the
-        response says not to. Closes the step (no ``guard.step()`` needed).
+        response says not to. Closes the step (no ``guard.step()`` needed). GEMMs that ran
+        in the step before ``closure`` (earlier micro-batches of gradient accumulation) are
+        verified too, but cannot be re-executed: a detection there is answered by ``skip``
+        instead of ``recompute``; so is one with ``closure=None``. ``step_fn`` replaces
+        ``optimizer.step`` (for integrations that patch it).
 
         >>> model = torch.nn.Linear(4, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> def closure():
@@ -322,25 +335,54 @@ class Guard:
         """
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not callable(closure):
-            raise TypeError(f"closure: expected a callable, got {type(closure).__name__}")
+        if closure is not None and not callable(closure):
+            raise TypeError(f"closure: expected a callable or None, got {type(closure).__name__}")
         if self._responder is None or self._responder.optimizer is not optimizer:
-            self._responder = Responder(self, optimizer, self.policy, self.snapshots)
+            self._responder = Responder(self, optimizer, self.policy, self.snapshots, step_fn)
             self.snapshots = self._responder.snapshots
         return self._responder.run(closure)
 
-    def __enter__(self) -> "Guard":
+    @property
+    def step_open(self) -> bool:
+        """Whether a step is open (GEMMs seen now are accounted to it)."""
+        return self._step_open
+
+    @property
+    def gemms_seen(self) -> int:
+        """GEMMs seen so far in the open step."""
+        return self._seen
+
+    def activate(self) -> None:
+        """Start intercepting GEMMs (the step lifecycle is separate)."""
         if self._mode is not None:
             raise RuntimeError("this Guard is already active")
-        self.begin_step()
         self._mode = GemmInterceptor(self)
         self._mode.__enter__()
+
+    def deactivate(self) -> None:
+        """Stop intercepting; an open step stays open."""
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+
+    @contextmanager
+    def intercepting(self) -> Iterator["Guard"]:
+        """Intercept inside the block without opening or closing a step: for frameworks
+        whose step spans several calls (Lightning's micro-batches)."""
+        self.activate()
+        try:
+            yield self
+        finally:
+            self.deactivate()
+
+    def __enter__(self) -> "Guard":
+        if not self._step_open:
+            self.begin_step()
+        self.activate()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        assert self._mode is not None
-        self._mode.__exit__(*exc)
-        self._mode = None
+        self.deactivate()
         if self._step_open:
             self._close_step(keep_empty=False)
 

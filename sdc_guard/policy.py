@@ -201,26 +201,32 @@ class Responder:
     """Runs ``Guard.optimizer_step``: the state machine of the module docstring."""
 
     def __init__(self, guard: "Guard", optimizer: torch.optim.Optimizer, policy: Policy,
-                 snapshots: SnapshotStore | None) -> None:
+                 snapshots: SnapshotStore | None, step_fn: Callable[[], Any] | None = None) -> None:
         self.guard = guard
         self.optimizer = optimizer
+        self._step_fn = step_fn if step_fn is not None else optimizer.step
         self.policy = policy
         self.snapshots = snapshots if snapshots is not None else SnapshotStore(guard.model, optimizer)
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         if self.snapshots.last_good is None and not self.snapshots.checkpoints():
             self.snapshots.take(guard.step_index - 1)  # the state before the first guarded step
 
-    def run(self, closure: Callable[[], Any]) -> StepOutcome:
+    def run(self, closure: Callable[[], Any] | None) -> StepOutcome:
+        """One guarded step. ``closure=None`` (manual optimisation, GEMMs run before the
+        step was called) leaves nothing to re-execute: recompute becomes skip."""
         rng = _Rng.capture()
         grads_before = _grads(self._params)
-        loss = closure()
+        closure_start = self.guard.gemms_seen  # GEMMs before this point cannot be re-run
+        loss = closure() if closure is not None else None
         report = self.guard.end_step()
         outcome = StepOutcome(report.step, loss, report, distributed.flagged_ranks(report.flagged > 0))
         try:
             if outcome.flagged_ranks:
-                self._respond(outcome, closure, rng, grads_before)
+                outside = any(d.call_index < closure_start for d in report.detections) or closure is None
+                rerunnable = not distributed.agree_max(int(outside))
+                self._respond(outcome, closure if rerunnable else None, rng, grads_before)
             else:
-                self.optimizer.step()
+                self._step_fn()
         finally:  # raise and exit are responses too: record them
             self.guard.outcomes.append(outcome)
             self.guard._publish("observe_outcome", outcome)
@@ -230,17 +236,22 @@ class Responder:
         self.guard.begin_step()
         return outcome
 
-    def _respond(self, outcome: StepOutcome, closure: Callable[[], Any], rng: _Rng,
+    def _respond(self, outcome: StepOutcome, closure: Callable[[], Any] | None, rng: _Rng,
                  grads_before: list[Tensor | None]) -> None:
         action = self.policy.on_detection
         outcome.classification = "unconfirmed"
+        if action == "recompute" and closure is None:
+            # corrupted GEMMs ran outside the closure (earlier micro-batches, manual
+            # optimisation): re-running the closure would not redo them; drop the step
+            action = "skip"
         if action == "recompute":
+            assert closure is not None
             triage = self._triage(outcome, closure, rng, grads_before)
             outcome.classification = triage.name.lower()
             if triage == Triage.TRANSIENT:
                 outcome.action = "recompute"
                 self.snapshots.note_detection(resolved=True)
-                self.optimizer.step()  # with the clean re-run's gradients
+                self._step_fn()  # with the clean re-run's gradients
                 return
             action = (self.policy.escalate(outcome.step) if triage == Triage.PERSISTENT
                       else self.policy.on_nondeterministic)
@@ -270,7 +281,7 @@ class Responder:
     def _apply(self, action: str, outcome: StepOutcome) -> None:
         if action == "log":
             self.snapshots.note_detection(resolved=False)
-            self.optimizer.step()
+            self._step_fn()
         elif action == "skip":
             self.snapshots.note_detection(resolved=True)
             self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,343 @@
+"""Prometheus export of step reports and responses: what pages a human on an SDC event.
+
+``GuardMetrics`` is the guard's metrics sink (``protect(model, metrics=GuardMetrics())``):
+the guard hands it every closed ``StepReport`` (re-executions included, as
+``attempt > 0``) and every ``StepOutcome`` of ``guard.optimizer_step``. It keeps them as
+``prometheus_client`` metrics on its own ``CollectorRegistry`` (injectable), and exposes
+them by HTTP (``serve``, for long jobs that Prometheus scrapes) or by pushing to a
+Pushgateway (``push``, for short or batch jobs that may end between two scrapes).
+
+Metrics (every one carries a constant ``rank`` label; counters count from 0 so that
+``increase()`` sees the first event):
+
+=============================================  =========  ================================
+name                                           type       labels besides ``rank``
+=============================================  =========  ================================
+``sdc_guard_steps_total``                      counter    steps reported (first runs)
+``sdc_guard_flagged_steps_total``              counter    steps whose first run flagged
+``sdc_guard_reexecutions_total``               counter    re-runs of a step for triage
+``sdc_guard_gemms_seen_total``                 counter    op, phase, dtype
+``sdc_guard_gemms_verified_total``             counter    op, phase, dtype
+``sdc_guard_gemms_flagged_total``              counter    op, phase, dtype
+``sdc_guard_gemms_unverifiable_total``         counter    GEMM-bearing ops not verifiable
+``sdc_guard_site_gemms_flagged_total``         counter    site (``max_sites`` + "other")
+``sdc_guard_detections_total``                 counter    classification
+``sdc_guard_responses_total``                  counter    action
+``sdc_guard_verify_seconds_total``             counter    verification time, all runs
+``sdc_guard_step_seconds_total``               counter    step wall time, all runs
+``sdc_guard_step``                             gauge      number of the last step
+``sdc_guard_step_flagged``                     gauge      1 if the last step flagged
+``sdc_guard_overhead_ratio``                   gauge      last step's verification overhead
+``sdc_guard_overhead_budget_ratio``            gauge      the budget (only if given)
+``sdc_guard_worst_check_ratio``                gauge      last step's largest D/T (> 1: SDC)
+``sdc_guard_last_detection_step``              gauge      -1 until a detection
+``sdc_guard_last_detection_timestamp_seconds`` gauge      unix time; 0 until a detection
+``sdc_guard_last_report_timestamp_seconds``    gauge      unix time of the last report
+=============================================  =========  ================================
+
+Choices, and why:
+
+- GEMM and step counters count a step's first run only, so ``verified / seen`` is the
+  sampler's coverage and one corrupted GEMM counts once; re-executions (which verify
+  everything) are counted apart, and their time is in the seconds counters, because it
+  is real cost. Long-run overhead is ``rate(verify) / (rate(step) - rate(verify))``,
+  which is what the alert on the budget uses; the per-step gauge is for dashboards.
+- Detections are counted on the rank(s) whose GEMMs flagged (``outcome.flagged_ranks``);
+  responses on every rank, since every rank takes the response in lockstep.
+- Sites (module paths) are unbounded in general, so they label only the flagged-GEMM
+  counter, the first ``max_sites`` distinct flagged sites by name and the rest as
+  ``"other"``; detections are rare, so in practice every flagged site keeps its name.
+- One port per local rank: ``serve()`` defaults to ``DEFAULT_PORT + LOCAL_RANK``.
+  Each process of a multi-process job has its own registry and endpoint (no
+  ``prometheus_client`` multiprocess mode); the ``rank`` label tells them apart.
+- A metrics failure (port in use, Pushgateway unreachable) warns once and returns a
+  falsy value; it never interrupts training. Arguments that cannot be right (a port
+  of 70000) still raise ``ValueError`` at once, naming the argument.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import warnings
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, push_to_gateway, start_http_server
+
+from . import distributed
+from .guard import StepReport
+from .policy import ACTIONS, CLASSIFICATIONS, StepOutcome
+
+#: Port of ``serve()`` for local rank 0; local rank ``r`` gets ``DEFAULT_PORT + r``.
+DEFAULT_PORT = 9464
+#: Label value of flagged sites beyond ``max_sites``.
+OTHER_SITE = "other"
+
+
+def default_port() -> int:
+    """``DEFAULT_PORT + LOCAL_RANK`` (the environment variable torchrun and Lightning
+    set), so the processes of one node never compete for a port.
+
+    >>> default_port() == DEFAULT_PORT + int(os.environ.get("LOCAL_RANK", "0"))
+    True
+    """
+    local = os.environ.get("LOCAL_RANK", "0")
+    try:
+        return DEFAULT_PORT + int(local)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK: expected an int in the environment, got {local!r}") from None
+
+
+def _resolve_rank(rank: int | None) -> int:
+    if rank is None:
+        if distributed.is_distributed():
+            return distributed.rank()
+        try:
+            return int(os.environ.get("RANK", "0"))  # torchrun sets it before init_process_group
+        except ValueError:
+            return 0
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"rank: expected a non-negative int or None, got {rank!r}")
+    return rank
+
+
+def _check_budget(budget: float | None) -> float | None:
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < math.inf:
+        raise ValueError(f"budget: expected a positive overhead fraction (0.05 = 5 %) or None, got {budget!r}")
+    return float(budget)
+
+
+class GuardMetrics:
+    """Prometheus metrics of a guarded job; a ``MetricsSink`` for ``protect(metrics=...)``.
+
+    Args:
+        registry: where the metrics live. Default: a new private ``CollectorRegistry``,
+            so that two instances in one process (two ``fit`` calls) never collide; pass
+            ``prometheus_client.REGISTRY`` to export through an endpoint you already run.
+        rank: the constant ``rank`` label. Default: the ``torch.distributed`` rank if a
+            process group exists, else ``$RANK``, else 0.
+        budget: the overhead budget (``sampling.Budget.max_overhead``), exported as
+            ``sdc_guard_overhead_budget_ratio`` for the alert on overhead; ``None`` exports
+            no budget and that alert stays silent.
+        max_sites: distinct flagged sites labelled by name; later ones count as "other".
+
+    >>> import torch, sdc_guard
+    >>> from prometheus_client import CollectorRegistry
+    >>> registry = CollectorRegistry()
+    >>> model = torch.nn.Linear(4, 2)
+    >>> with sdc_guard.protect(model, metrics=GuardMetrics(registry, rank=0)):
+    ...     model(torch.randn(3, 4)).sum().backward()
+    >>> registry.get_sample_value("sdc_guard_steps_total", {"rank": "0"})
+    1.0
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        rank: int | None = None,
+        budget: float | None = None,
+        max_sites: int = 32,
+    ) -> None:
+        if registry is not None and not isinstance(registry, CollectorRegistry):
+            raise TypeError(f"registry: expected a prometheus_client.CollectorRegistry or None, "
+                            f"got {type(registry).__name__}")
+        if isinstance(max_sites, bool) or not isinstance(max_sites, int) or max_sites < 0:
+            raise ValueError(f"max_sites: expected a non-negative int, got {max_sites!r}")
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.rank = _resolve_rank(rank)
+        self.budget = _check_budget(budget)
+        self.max_sites = max_sites
+        self.url: str | None = None  #: the endpoint of ``serve()``, once it runs
+        self._server: Any = None
+        self._push_target: dict[str, Any] | None = None
+        self._warned: set[str] = set()
+        self._sites: set[str] = set()
+        self._create()
+
+    # --- metric definitions --------------------------------------------------------------
+
+    def _counter(self, name: str, doc: str, *labels: str) -> Counter:
+        return Counter(name, doc, ("rank", *labels), registry=self.registry)
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, ("rank",), registry=self.registry).labels(rank=str(self.rank))
+
+    def _create(self) -> None:
+        r = str(self.rank)
+        c = self._counter
+        self.steps = c("sdc_guard_steps", "Guarded steps reported (first runs).").labels(rank=r)
+        self.flagged_steps = c("sdc_guard_flagged_steps",
+                               "Steps whose first run flagged at least one GEMM on this rank.").labels(rank=r)
+        self.reexecutions = c("sdc_guard_reexecutions", "Re-executions of a step for triage.").labels(rank=r)
+        kind = ("op", "phase", "dtype")
+        self.gemms_seen = c("sdc_guard_gemms_seen", "GEMMs seen (first runs).", *kind)
+        self.gemms_verified = c("sdc_guard_gemms_verified", "GEMMs verified (first runs).", *kind)
+        self.gemms_flagged = c("sdc_guard_gemms_flagged", "GEMMs whose check found corruption (first runs).", *kind)
+        self.gemms_unverifiable = c("sdc_guard_gemms_unverifiable",
+                                    "GEMM-bearing ops that could not be verified (first runs).").labels(rank=r)
+        self.site_flagged = c("sdc_guard_site_gemms_flagged",
+                              f"Flagged GEMMs by module path (first {self.max_sites} sites, then 'other').", "site")
+        self.detections = c("sdc_guard_detections", "Detections on this rank by triage classification.",
+                            "classification")
+        self.responses = c("sdc_guard_responses", "Responses taken (on every rank, in lockstep).", "action")
+        self.verify_seconds = c("sdc_guard_verify_seconds", "Verification time, re-executions included.").labels(rank=r)
+        self.step_seconds = c("sdc_guard_step_seconds", "Guarded step wall time, re-executions included.").labels(rank=r)
+        for name in CLASSIFICATIONS:  # start at 0: increase() must see the first one
+            self.detections.labels(rank=r, classification=name)
+        for name in ACTIONS:
+            self.responses.labels(rank=r, action=name)
+
+        g = self._gauge
+        self.step = g("sdc_guard_step", "Number of the last step reported.")
+        self.step_flagged = g("sdc_guard_step_flagged", "1 if the last step flagged a GEMM, else 0.")
+        self.overhead = g("sdc_guard_overhead_ratio", "Verification time / step time without it, last step.")
+        self.worst_ratio = g("sdc_guard_worst_check_ratio",
+                             "Largest D/T of the last step's verified GEMMs (above 1 is a detection).")
+        self.last_detection_step = g("sdc_guard_last_detection_step", "Step of the last detection (-1: none).")
+        self.last_detection_step.set(-1)
+        self.last_detection_time = g("sdc_guard_last_detection_timestamp_seconds",
+                                     "Unix time of the last detection (0: none).")
+        self.last_report_time = g("sdc_guard_last_report_timestamp_seconds", "Unix time of the last report.")
+        if self.budget is not None:
+            g("sdc_guard_overhead_budget_ratio", "Verification overhead budget.").set(self.budget)
+
+    # --- MetricsSink -----------------------------------------------------------------------
+
+    def observe_report(self, report: StepReport) -> None:
+        """Count one closed step (a re-execution when ``report.attempt > 0``).
+
+        Called by the guard; call it yourself only for reports you build elsewhere.
+        """
+        if not isinstance(report, StepReport):
+            raise TypeError(f"report: expected a sdc_guard.StepReport, got {type(report).__name__}")
+        now = time.time()
+        self.verify_seconds.inc(max(report.verify_seconds, 0.0))
+        self.step_seconds.inc(max(report.step_seconds, 0.0))
+        self.last_report_time.set(now)
+        if report.attempt > 0:
+            self.reexecutions.inc()
+            return
+        r = str(self.rank)
+        self.steps.inc()
+        self.step.set(report.step)
+        self.step_flagged.set(1 if report.flagged else 0)
+        self.overhead.set(report.overhead)
+        self.worst_ratio.set(report.worst_ratio)
+        self.gemms_unverifiable.inc(sum(report.unverified_ops.values()))
+        for (op, phase, dtype), counts in report.by_kind.items():
+            labels = {"rank": r, "op": op, "phase": phase, "dtype": dtype}
+            self.gemms_seen.labels(**labels).inc(counts.seen)
+            self.gemms_verified.labels(**labels).inc(counts.verified)
+            self.gemms_flagged.labels(**labels).inc(counts.flagged)
+        if report.flagged:
+            self.flagged_steps.inc()
+            self.last_detection_step.set(report.step)
+            self.last_detection_time.set(now)
+            for detection in report.detections:
+                self.site_flagged.labels(rank=r, site=self._site_label(detection.site)).inc()
+
+    def observe_outcome(self, outcome: StepOutcome) -> None:
+        """Count the response to one guarded optimizer step (nothing when it was clean).
+
+        An ``exit`` or ``raise`` response ends training: if ``push()`` was used, the
+        metrics are pushed once more now, so the event outlives the process.
+        """
+        if not isinstance(outcome, StepOutcome):
+            raise TypeError(f"outcome: expected a sdc_guard.StepOutcome, got {type(outcome).__name__}")
+        r = str(self.rank)
+        if outcome.classification is not None and outcome.report.rank in outcome.flagged_ranks:
+            self.detections.labels(rank=r, classification=outcome.classification).inc()
+        if outcome.action is not None:
+            self.responses.labels(rank=r, action=outcome.action).inc()
+        if outcome.action in ("exit", "raise") and self._push_target is not None:
+            self.push(**self._push_target)
+
+    def _site_label(self, site: str) -> str:
+        if site in self._sites:
+            return site
+        if len(self._sites) < self.max_sites:
+            self._sites.add(site)
+            return site
+        return OTHER_SITE
+
+    # --- exposition --------------------------------------------------------------------------
+
+    def serve(self, address: str = "127.0.0.1", port: int | None = None) -> str | None:
+        """Serve the metrics over HTTP for Prometheus to scrape; returns the URL.
+
+        ``port`` defaults to ``default_port()`` (9464 + ``$LOCAL_RANK``); 0 picks a free
+        port. Bound to loopback unless ``address`` says otherwise ("0.0.0.0" for a
+        Prometheus on another host). A port in use warns once and returns ``None``:
+        training goes on unmonitored rather than not at all. Serving twice returns the
+        running endpoint.
+
+        >>> metrics = GuardMetrics(rank=0)
+        >>> url = metrics.serve(port=0); url.startswith("http://127.0.0.1:")
+        True
+        >>> metrics.close()
+        """
+        if not isinstance(address, str) or not address:
+            raise ValueError(f"address: expected a host name or IP address, got {address!r}")
+        port = default_port() if port is None else port
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
+            raise ValueError(f"port: expected an int in 0..65535 or None, got {port!r}")
+        if self._server is not None:
+            return self.url
+        try:
+            server, _ = start_http_server(port, addr=address, registry=self.registry)
+        except OSError as exc:
+            self._warn_once("serve", f"sdc_guard: cannot serve metrics on {address}:{port} ({exc}); "
+                                     "training continues without a metrics endpoint")
+            return None
+        self._server = server
+        host = f"[{address}]" if ":" in address else address
+        self.url = f"http://{host}:{server.server_port}/metrics"
+        return self.url
+
+    def close(self) -> None:
+        """Stop the HTTP endpoint (if any) and free its port; the metrics stay readable."""
+        server, self._server, self.url = self._server, None, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+    def push(self, gateway: str, job: str = "sdc_guard", grouping_key: dict[str, str] | None = None,
+             *, timeout: float = 5.0) -> bool:
+        """Push all metrics to a Pushgateway (replacing this group's); True on success.
+
+        For jobs too short for scrapes: push at the end (and, if you like, every N steps).
+        The group defaults to ``{"rank": <rank>}`` so the ranks of one job do not
+        overwrite each other. Remembered: an ``exit`` or ``raise`` response pushes again.
+        An unreachable or failing gateway warns once (until a push succeeds again) and
+        returns False within ``timeout`` seconds; it never raises.
+
+        >>> GuardMetrics(rank=0).push("http://127.0.0.1:1", timeout=1.0)  # doctest: +SKIP
+        False
+        """
+        if not isinstance(gateway, str) or not gateway:
+            raise ValueError(f"gateway: expected a Pushgateway address such as 'http://host:9091', got {gateway!r}")
+        if not isinstance(job, str) or not job:
+            raise ValueError(f"job: expected a non-empty job name, got {job!r}")
+        if grouping_key is not None and not isinstance(grouping_key, dict):
+            raise ValueError(f"grouping_key: expected a dict of label names to values or None, got {grouping_key!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+        key = {"rank": str(self.rank)} if grouping_key is None else {k: str(v) for k, v in grouping_key.items()}
+        self._push_target = {"gateway": gateway, "job": job, "grouping_key": key, "timeout": timeout}
+        try:
+            push_to_gateway(gateway, job=job, registry=self.registry, grouping_key=key, timeout=timeout)
+        except Exception as exc:  # a monitoring failure never stops training
+            self._warn_once("push", f"sdc_guard: cannot push metrics to {gateway} ({type(exc).__name__}: "
+                                    f"{exc}); training continues")
+            return False
+        self._warned.discard("push")  # the next outage warns again, once
+        return True
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)

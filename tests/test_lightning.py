@@ -1,0 +1,173 @@
+"""Trainer(callbacks=[SDCGuard()]): real Trainer.fit runs, clean and under fault drills."""
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import sdc_guard  # noqa: E402
+from lit_models import LitGPT  # noqa: E402
+from sdc_guard import GemmFault, Policy  # noqa: E402
+from sdc_guard.sampling import EveryN  # noqa: E402
+
+HERE = Path(__file__).parent
+
+
+def fit(module, callback, tmp_path, *, steps=8, faults=(), ckpt_path=None, **trainer_kwargs):
+    kwargs = dict(accelerator="cpu", devices=1, max_steps=steps, logger=CSVLogger(tmp_path),
+                  enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                  limit_val_batches=0, log_every_n_steps=1)
+    kwargs.update(trainer_kwargs)
+    trainer = Trainer(callbacks=[callback, *kwargs.pop("callbacks", [])], **kwargs)
+    if faults:
+        with sdc_guard.drill(module, *faults):
+            trainer.fit(module, ckpt_path=ckpt_path)
+    else:
+        trainer.fit(module, ckpt_path=ckpt_path)
+    return trainer
+
+
+def params(module):
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def test_from_sdc_guard_import_is_lazy() -> None:
+    code = "import sys, sdc_guard; assert 'lightning' not in sys.modules; sdc_guard.SDCGuard; print('lightning' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
+    from sdc_guard.integrations.lightning import SDCGuard
+
+    assert sdc_guard.SDCGuard is SDCGuard
+
+
+def test_clean_run_with_defaults_logs_and_summarises(tmp_path: Path, capsys) -> None:
+    module = LitGPT()
+    callback = sdc_guard.SDCGuard(metrics_port=None)
+    trainer = fit(module, callback, tmp_path, steps=6)
+    assert callback.totals == {"steps": 6, "gemms_verified": callback.totals["gemms_verified"], "detections": 0}
+    assert callback.totals["gemms_verified"] == 6 * 21  # 21 GEMMs per step in this model
+    assert all(r.flagged == 0 for r in callback.guard.reports)
+    assert trainer.logged_metrics["sdc/flag"] == 0
+    assert trainer.logged_metrics["sdc/gemms_verified"] == 21
+    out = capsys.readouterr().out
+    assert "sdc-guard summary" in out and "steps guarded      6" in out and "detections         0" in out
+    rows = (Path(trainer.logger.log_dir) / "metrics.csv").read_text().splitlines()
+    assert "sdc/overhead" in rows[0] and len(rows) > 6
+
+
+def test_transient_fault_is_recomputed_and_weights_match_the_clean_run(tmp_path: Path) -> None:
+    clean = LitGPT()
+    fit(clean, sdc_guard.SDCGuard(metrics_port=None), tmp_path / "clean", steps=6)
+    module = LitGPT()
+    callback = sdc_guard.SDCGuard(metrics_port=None)
+    fit(module, callback, tmp_path / "fault", steps=6,
+        faults=(GemmFault(site="model.blocks.0.attn.proj", phase="forward", step=3),))
+    hit = [o for o in callback.guard.outcomes if o.flagged_ranks]
+    assert [(o.step, o.classification, o.action) for o in hit] == [(3, "transient", "recompute")]
+    assert hit[0].report.detections[0].site == "model.blocks.0.attn.proj"
+    assert callback.classifications == {"transient": 1}
+    assert all(torch.equal(a, b) for a, b in zip(params(module), params(clean)))
+
+
+def test_sticky_fault_rolls_back_then_escalates_to_exit(tmp_path: Path) -> None:
+    module = LitGPT()
+    callback = sdc_guard.SDCGuard(metrics_port=None, snapshot_every=2, policy=Policy(window=10))
+    with pytest.raises(sdc_guard.SDCExit) as info:
+        fit(module, callback, tmp_path, steps=10, faults=(GemmFault(site="model.head", step=5, sticky=True),))
+    assert info.value.code == sdc_guard.EXIT_PERSISTENT
+    hit = [o for o in callback.guard.outcomes if o.flagged_ranks]
+    assert [(o.step, o.classification, o.action) for o in hit] == [
+        (5, "persistent", "rollback"), (6, "persistent", "exit")]
+    assert hit[0].rolled_back_to == 4
+
+
+def test_resume_from_checkpoint_continues_counters_and_sampler(tmp_path: Path) -> None:
+    module = LitGPT()
+    callback = sdc_guard.SDCGuard(metrics_port=None, sampler=EveryN(3))
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    fit(module, callback, tmp_path, steps=4, callbacks=[ckpt], enable_checkpointing=True)
+    path = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
+    assert path.exists()
+    state = torch.load(path, weights_only=False)["callbacks"]
+    assert any(v.get("step") == 4 for v in state.values() if isinstance(v, dict))
+    resumed_module = LitGPT()
+    resumed = sdc_guard.SDCGuard(metrics_port=None, sampler=EveryN(3))
+    fit(resumed_module, resumed, tmp_path, steps=8, ckpt_path=str(path))
+    assert resumed.totals["steps"] == 8  # 4 before the checkpoint + 4 after
+    steps = [r.step for r in resumed.guard.reports]
+    assert steps == [4, 5, 6, 7]
+    assert [r.verified > 0 for r in resumed.guard.reports] == [False, False, True, False]  # EveryN(3): step 6
+
+
+def test_manual_optimization_skips_instead_of_recomputing(tmp_path: Path) -> None:
+    module = LitGPT(manual=True)
+    callback = sdc_guard.SDCGuard(metrics_port=None)
+    fit(module, callback, tmp_path, steps=5, faults=(GemmFault(site="model.head", phase="forward", step=2),))
+    hit = [o for o in callback.guard.outcomes if o.flagged_ranks]
+    assert [(o.step, o.classification, o.action, o.stepped) for o in hit] == [(2, "unconfirmed", "skip", False)]
+    assert callback.totals["steps"] == 5
+
+
+def test_gradient_accumulation_verifies_every_micro_batch(tmp_path: Path) -> None:
+    module = LitGPT()
+    callback = sdc_guard.SDCGuard(metrics_port=None)
+    # step 1 spans micro-batches 2 and 3; the fault hits micro-batch 2 (outside the closure)
+    fit(module, callback, tmp_path, steps=3, accumulate_grad_batches=2,
+        faults=(GemmFault(site="model.head", phase="forward", step=1, call=0),))
+    reports = [o.report for o in callback.guard.outcomes]
+    assert [r.verified for r in reports] == [42, 42, 42]  # two micro-batches of 21 GEMMs each
+    hit = [o for o in callback.guard.outcomes if o.flagged_ranks]
+    assert [(o.step, o.action) for o in hit] == [(1, "skip")]
+
+
+def test_bf16_mixed_precision_and_validation_are_verified(tmp_path: Path) -> None:
+    module = LitGPT()
+    callback = sdc_guard.SDCGuard(metrics_port=None, verify_validation=True)
+    fit(module, callback, tmp_path, steps=4, precision="bf16-mixed", limit_val_batches=2, val_check_interval=2)
+    kinds = {k for r in callback.guard.reports for k in r.by_kind}
+    assert ("addmm", "forward", "bfloat16") in kinds and ("mm", "backward", "bfloat16") in kinds
+    assert all(r.flagged == 0 for r in callback.guard.reports)
+    val = callback._val_guard
+    assert val is not None and len(val.reports) >= 4 and all(r.verified > 0 and r.flagged == 0 for r in val.reports)
+
+
+def test_metrics_endpoint_serves_while_training(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    seen = {}
+
+    class Probe(__import__("lightning").pytorch.callbacks.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                seen["body"] = r.read().decode()
+
+    callback = sdc_guard.SDCGuard(metrics_port=port)
+    fit(LitGPT(), callback, tmp_path, steps=2, callbacks=[Probe()])
+    assert callback.metrics_url is not None and str(port) in callback.metrics_url
+    assert "sdc_guard_" in seen["body"]
+
+
+def test_ddp_two_processes_fault_on_one_rank(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, str(HERE / "lit_ddp_run.py"), str(tmp_path)], capture_output=True,
+                          text=True, timeout=600, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*ranks))
+    outcomes = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert outcomes[0] == outcomes[1]
+    assert [o for o in outcomes[0] if o["flagged_ranks"]] == [
+        {"step": 2, "flagged_ranks": [1], "classification": "transient", "action": "recompute"}]
