@@ -153,7 +153,7 @@ class SDCGuard(Callback):
         if self.totals["steps"] == self._steps_at_batch_start:
             return  # an accumulation micro-batch: no optimizer step yet
         outcome = self.guard.outcomes[-1]
-        if trainer.global_step % self.log_every_n_steps == 0:
+        if trainer.loggers and trainer.global_step % self.log_every_n_steps == 0:
             report = outcome.report
             pl_module.log_dict({
                 "sdc/flag": float(bool(outcome.flagged_ranks)),

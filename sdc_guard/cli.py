@@ -13,6 +13,7 @@ import sys
 
 #: subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("sdc_guard.demo", "train a small GPT with injected faults and watch them get caught (needs lightning)"),
     "selftest": ("sdc_guard.selftest", "check the installation end to end on every available backend"),
     "bi": ("sdc_guard.bi_cli", "batch-invariance and determinism harness"),
 }

@@ -115,24 +115,39 @@ def current_phase() -> str:
 class SiteTracker:
     """Which module of ``model`` is running: ``ModuleTracker``, with paths made relative.
 
-    ``ModuleTracker`` names modules ``<RootClass>.<path>``; a site is the deepest running
-    module's path relative to ``model`` ("blocks.0.attn.proj", also when a wrapper such
-    as DDP runs it), the model's class name for the model itself, and ``"global"``
-    outside any module. Re-entered once per step (its hooks accumulate while active).
+    A site is the path of the deepest running module relative to ``model``
+    ("blocks.0.attn.proj", as in ``model.named_modules()``), the model's class name for
+    the model itself, and ``"global"`` outside any module. ``ModuleTracker`` names
+    modules after whichever root it saw first (a DDP wrapper, or a submodule that a
+    ``training_step`` calls directly), so its names are mapped back to module objects
+    (its private ``_known_modules``) and from there to ``model``'s own names.
+    Re-entered once per step (its hooks accumulate while active).
     """
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._tracker: ModuleTracker | None = None
+        self._relative: dict[int, str] = {}
+        self._by_tracker_name: dict[str, nn.Module] = {}
 
     def start(self) -> None:
         self.stop()
+        self._relative = {id(m): name for name, m in self.model.named_modules()}
+        self._by_tracker_name = {}
         self._tracker = ModuleTracker().__enter__()
 
     def stop(self) -> None:
         if self._tracker is not None:
             self._tracker.__exit__(None, None, None)
             self._tracker = None
+
+    def _module(self, tracker_name: str) -> nn.Module | None:
+        known = getattr(self._tracker, "_known_modules", None)
+        if known is None:
+            return None
+        if tracker_name not in self._by_tracker_name and len(self._by_tracker_name) != len(known):
+            self._by_tracker_name = {name: module for module, name in known.items()}
+        return self._by_tracker_name.get(tracker_name)
 
     def site(self) -> str:
         """The current site (see the class docstring)."""
@@ -141,14 +156,11 @@ class SiteTracker:
         if not names:
             return GLOBAL_SITE
         deepest = max(names, key=lambda n: (n.count("."), n))
-        # The model's own tracked name: its class name, or a path inside a wrapper that
-        # ran first (DDP's "DistributedDataParallel.module"). ModuleTracker keeps the map
-        # in a private attribute; the class name is the fallback.
-        known = getattr(self._tracker, "_known_modules", {})
-        root = known.get(self.model, type(self.model).__name__)
-        if deepest == root:
-            return type(self.model).__name__
-        return deepest[len(root) + 1:] if deepest.startswith(root + ".") else deepest
+        module = self._module(deepest)
+        relative = self._relative.get(id(module)) if module is not None else None
+        if relative is None:
+            return deepest  # a module outside the protected model
+        return relative or type(self.model).__name__
 
 
 class GemmSink(Protocol):

@@ -33,5 +33,6 @@ def run(rank: int, world_size: int, port: int, scenario: str, out_dir: str) -> N
                     "action": o.action, "stepped": o.stepped, "rolled_back_to": o.rolled_back_to}
                    for o in outcomes]
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"outcomes": summary, "losses": losses}))
+        dist.barrier()  # no rank tears gloo down while another still talks to it
     finally:
         dist.destroy_process_group()

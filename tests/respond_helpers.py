@@ -58,7 +58,7 @@ def train(
                     drill.remove(fault)
             outcome = guard.optimizer_step(opt, closure_for(runner, opt, step, rank))
             outcomes.append(outcome)
-            losses.append(float(outcome.loss))
+            losses.append(outcome.loss.item())
     return outcomes, losses, store
 
 
