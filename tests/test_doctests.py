@@ -1,0 +1,23 @@
+"""Every example in the library's docstrings runs and prints what it says."""
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import sdc_guard
+
+MODULES = sorted(
+    [name for _, name, _ in pkgutil.walk_packages(sdc_guard.__path__, "sdc_guard.")
+     if not name.endswith("__main__")]
+    # installed under sdc_guard from kernels/ and integrations/, outside sdc_guard.__path__
+    + ["sdc_guard.kernels.vabft_triton", "sdc_guard.kernels.vabft_weight", "sdc_guard.integrations.lightning"]
+)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name: str) -> None:
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
