@@ -115,8 +115,9 @@ class SDCGuard(Callback):
         for optimizer in trainer.optimizers:
             self._patch(optimizer, pl_module)
         if self.verify_validation:
+            # reports only: validation steps are not training steps, so no metrics sink
             self._val_guard = Guard(pl_module, e_max=self.e_max, backend=self.backend,
-                                    metrics=self.metrics, rank=trainer.global_rank)
+                                    rank=trainer.global_rank)
 
     def _patch(self, optimizer: torch.optim.Optimizer, pl_module: "pl.LightningModule") -> None:
         """Route ``optimizer.step(closure)`` through the guard (closure = training_step +

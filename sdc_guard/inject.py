@@ -160,7 +160,7 @@ class FaultInjector(TorchDispatchMode):
         self._spent: set[int] = set()  #: indices of non-sticky faults already fired
         self._counts: dict[int, int] = {}
         self._count_step = -1
-        self._positions: dict[int, tuple[int, ...]] = {}  #: element of each sticky fault
+        self._positions: dict[tuple[int, int], tuple[int, ...]] = {}  #: element of each sticky fault
 
     def __enter__(self) -> "FaultInjector":
         if any(isinstance(m, GemmInterceptor) for m in _get_current_dispatch_mode_stack()):
@@ -203,9 +203,10 @@ class FaultInjector(TorchDispatchMode):
             element = fault.element
             if element is None:
                 # a faulty unit corrupts the same position every time: draw it once
-                element = self._positions.get(key) or _random_element(out.shape, self._rng)
+                position = (key, out.dim())  # one position per output rank (mm vs bmm)
+                element = self._positions.get(position) or _random_element(out.shape, self._rng)
                 if fault.sticky:
-                    self._positions[key] = element
+                    self._positions[position] = element
             element = tuple(min(i, s - 1) for i, s in zip(element, out.shape))
             bit = fault.bit if fault.bit is not None else _TOP_EXPONENT_BIT[out.dtype]
             before, after, changed = flip_bit(out, element, bit, fault.direction)

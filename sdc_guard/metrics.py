@@ -93,8 +93,8 @@ def _resolve_rank(rank: int | None) -> int:
     if rank is None:
         if distributed.is_distributed():
             return distributed.rank()
-        try:
-            return int(os.environ.get("RANK", "0"))  # torchrun sets it before init_process_group
+        try:  # torchrun sets RANK before init_process_group
+            return max(int(os.environ.get("RANK", "0")), 0)
         except ValueError:
             return 0
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
@@ -169,39 +169,41 @@ class GuardMetrics:
     def _create(self) -> None:
         r = str(self.rank)
         c = self._counter
-        self.steps = c("sdc_guard_steps", "Guarded steps reported (first runs).").labels(rank=r)
-        self.flagged_steps = c("sdc_guard_flagged_steps",
-                               "Steps whose first run flagged at least one GEMM on this rank.").labels(rank=r)
-        self.reexecutions = c("sdc_guard_reexecutions", "Re-executions of a step for triage.").labels(rank=r)
+        self._steps = c("sdc_guard_steps", "Guarded steps reported (first runs).").labels(rank=r)
+        self._flagged_steps = c("sdc_guard_flagged_steps",
+                                "Steps whose first run flagged at least one GEMM on this rank.").labels(rank=r)
+        self._reexecutions = c("sdc_guard_reexecutions", "Re-executions of a step for triage.").labels(rank=r)
         kind = ("op", "phase", "dtype")
-        self.gemms_seen = c("sdc_guard_gemms_seen", "GEMMs seen (first runs).", *kind)
-        self.gemms_verified = c("sdc_guard_gemms_verified", "GEMMs verified (first runs).", *kind)
-        self.gemms_flagged = c("sdc_guard_gemms_flagged", "GEMMs whose check found corruption (first runs).", *kind)
-        self.gemms_unverifiable = c("sdc_guard_gemms_unverifiable",
-                                    "GEMM-bearing ops that could not be verified (first runs).").labels(rank=r)
-        self.site_flagged = c("sdc_guard_site_gemms_flagged",
-                              f"Flagged GEMMs by module path (first {self.max_sites} sites, then 'other').", "site")
-        self.detections = c("sdc_guard_detections", "Detections on this rank by triage classification.",
-                            "classification")
-        self.responses = c("sdc_guard_responses", "Responses taken (on every rank, in lockstep).", "action")
-        self.verify_seconds = c("sdc_guard_verify_seconds", "Verification time, re-executions included.").labels(rank=r)
-        self.step_seconds = c("sdc_guard_step_seconds", "Guarded step wall time, re-executions included.").labels(rank=r)
+        self._gemms_seen = c("sdc_guard_gemms_seen", "GEMMs seen (first runs).", *kind)
+        self._gemms_verified = c("sdc_guard_gemms_verified", "GEMMs verified (first runs).", *kind)
+        self._gemms_flagged = c("sdc_guard_gemms_flagged", "GEMMs whose check found corruption (first runs).", *kind)
+        self._gemms_unverifiable = c("sdc_guard_gemms_unverifiable",
+                                     "GEMM-bearing ops that could not be verified (first runs).").labels(rank=r)
+        self._site_flagged = c("sdc_guard_site_gemms_flagged",
+                               f"Flagged GEMMs by module path (first {self.max_sites} sites, then 'other').", "site")
+        self._detections = c("sdc_guard_detections", "Detections on this rank by triage classification.",
+                             "classification")
+        self._responses = c("sdc_guard_responses", "Responses taken (on every rank, in lockstep).", "action")
+        self._verify_seconds = c("sdc_guard_verify_seconds",
+                                 "Verification time, re-executions included.").labels(rank=r)
+        self._step_seconds = c("sdc_guard_step_seconds",
+                               "Guarded step wall time, re-executions included.").labels(rank=r)
         for name in CLASSIFICATIONS:  # start at 0: increase() must see the first one
-            self.detections.labels(rank=r, classification=name)
+            self._detections.labels(rank=r, classification=name)
         for name in ACTIONS:
-            self.responses.labels(rank=r, action=name)
+            self._responses.labels(rank=r, action=name)
 
         g = self._gauge
-        self.step = g("sdc_guard_step", "Number of the last step reported.")
-        self.step_flagged = g("sdc_guard_step_flagged", "1 if the last step flagged a GEMM, else 0.")
-        self.overhead = g("sdc_guard_overhead_ratio", "Verification time / step time without it, last step.")
-        self.worst_ratio = g("sdc_guard_worst_check_ratio",
-                             "Largest D/T of the last step's verified GEMMs (above 1 is a detection).")
-        self.last_detection_step = g("sdc_guard_last_detection_step", "Step of the last detection (-1: none).")
-        self.last_detection_step.set(-1)
-        self.last_detection_time = g("sdc_guard_last_detection_timestamp_seconds",
-                                     "Unix time of the last detection (0: none).")
-        self.last_report_time = g("sdc_guard_last_report_timestamp_seconds", "Unix time of the last report.")
+        self._step = g("sdc_guard_step", "Number of the last step reported.")
+        self._step_flagged = g("sdc_guard_step_flagged", "1 if the last step flagged a GEMM, else 0.")
+        self._overhead = g("sdc_guard_overhead_ratio", "Verification time / step time without it, last step.")
+        self._worst_ratio = g("sdc_guard_worst_check_ratio",
+                              "Largest D/T of the last step's verified GEMMs (above 1 is a detection).")
+        self._last_detection_step = g("sdc_guard_last_detection_step", "Step of the last detection (-1: none).")
+        self._last_detection_step.set(-1)
+        self._last_detection_time = g("sdc_guard_last_detection_timestamp_seconds",
+                                      "Unix time of the last detection (0: none).")
+        self._last_report_time = g("sdc_guard_last_report_timestamp_seconds", "Unix time of the last report.")
         if self.budget is not None:
             g("sdc_guard_overhead_budget_ratio", "Verification overhead budget.").set(self.budget)
 
@@ -215,30 +217,30 @@ class GuardMetrics:
         if not isinstance(report, StepReport):
             raise TypeError(f"report: expected a sdc_guard.StepReport, got {type(report).__name__}")
         now = time.time()
-        self.verify_seconds.inc(max(report.verify_seconds, 0.0))
-        self.step_seconds.inc(max(report.step_seconds, 0.0))
-        self.last_report_time.set(now)
+        self._verify_seconds.inc(max(report.verify_seconds, 0.0))
+        self._step_seconds.inc(max(report.step_seconds, 0.0))
+        self._last_report_time.set(now)
         if report.attempt > 0:
-            self.reexecutions.inc()
+            self._reexecutions.inc()
             return
         r = str(self.rank)
-        self.steps.inc()
-        self.step.set(report.step)
-        self.step_flagged.set(1 if report.flagged else 0)
-        self.overhead.set(report.overhead)
-        self.worst_ratio.set(report.worst_ratio)
-        self.gemms_unverifiable.inc(sum(report.unverified_ops.values()))
+        self._steps.inc()
+        self._step.set(report.step)
+        self._step_flagged.set(1 if report.flagged else 0)
+        self._overhead.set(report.overhead)
+        self._worst_ratio.set(report.worst_ratio)
+        self._gemms_unverifiable.inc(sum(report.unverified_ops.values()))
         for (op, phase, dtype), counts in report.by_kind.items():
             labels = {"rank": r, "op": op, "phase": phase, "dtype": dtype}
-            self.gemms_seen.labels(**labels).inc(counts.seen)
-            self.gemms_verified.labels(**labels).inc(counts.verified)
-            self.gemms_flagged.labels(**labels).inc(counts.flagged)
+            self._gemms_seen.labels(**labels).inc(counts.seen)
+            self._gemms_verified.labels(**labels).inc(counts.verified)
+            self._gemms_flagged.labels(**labels).inc(counts.flagged)
         if report.flagged:
-            self.flagged_steps.inc()
-            self.last_detection_step.set(report.step)
-            self.last_detection_time.set(now)
+            self._flagged_steps.inc()
+            self._last_detection_step.set(report.step)
+            self._last_detection_time.set(now)
             for detection in report.detections:
-                self.site_flagged.labels(rank=r, site=self._site_label(detection.site)).inc()
+                self._site_flagged.labels(rank=r, site=self._site_label(detection.site)).inc()
 
     def observe_outcome(self, outcome: StepOutcome) -> None:
         """Count the response to one guarded optimizer step (nothing when it was clean).
@@ -250,9 +252,9 @@ class GuardMetrics:
             raise TypeError(f"outcome: expected a sdc_guard.StepOutcome, got {type(outcome).__name__}")
         r = str(self.rank)
         if outcome.classification is not None and outcome.report.rank in outcome.flagged_ranks:
-            self.detections.labels(rank=r, classification=outcome.classification).inc()
+            self._detections.labels(rank=r, classification=outcome.classification).inc()
         if outcome.action is not None:
-            self.responses.labels(rank=r, action=outcome.action).inc()
+            self._responses.labels(rank=r, action=outcome.action).inc()
         if outcome.action in ("exit", "raise") and self._push_target is not None:
             self.push(**self._push_target)
 

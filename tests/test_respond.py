@@ -248,3 +248,12 @@ def test_distributed_lockstep(tmp_path: Path, world_size: int, scenario: str) ->
     else:
         assert [(o["step"], o["flagged_ranks"], o["classification"], o["action"], o["rolled_back_to"])
                 for o in flagged] == [(3, [world_size - 1], "persistent", "rollback", 2)]
+
+
+def test_sticky_fault_without_filters_hits_2d_and_batched_gemms() -> None:
+    model = make_model()
+    with sdc_guard.drill(model, GemmFault(sticky=True), seed=1) as faults:
+        model(torch.randint(0, 64, (2, 16)))
+    ranks = {len(i.element) for i in faults.injections}
+    assert ranks == {2, 3}  # mm/addmm outputs and bmm outputs, each at its own fixed position
+    assert all(i.changed for i in faults.injections)
