@@ -14,12 +14,10 @@ warns once, counts the GEMM as unverified, and never stops training.
 from __future__ import annotations
 
 import dataclasses
-import time
-from contextlib import contextmanager
 import warnings
+from contextlib import contextmanager
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
@@ -27,13 +25,14 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import backends
-from .abft import AbftCheck
 from .backends import Backend, GemmRequest
 from .cache import WeightCache
 from .intercept import Gemm, GemmInterceptor, SiteTracker, current_phase
 from .precision import SUPPORTED_DTYPES, resolve_e_max
+from .ledger import Pending, StepLedger, summarize
+from .report import KindKey, StepReport
 from .policy import Policy, Responder, StepOutcome
-from .sampling import Full, Sampler, SiteKey, StepCosts
+from .sampling import Full, Sampler, SiteKey
 from .snapshot import SnapshotStore
 
 #: Next step number per model, so per-step ``protect()`` blocks continue one schedule.
@@ -54,124 +53,6 @@ def set_current_step(model: nn.Module, step: int) -> None:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step: expected a non-negative int, got {step!r}")
     _next_step[model] = step
-
-
-@dataclass
-class Detection:
-    """One GEMM whose check found corruption."""
-
-    step: int
-    site: str  #: module path relative to the protected model ("global" outside any module)
-    op: str  #: aten op ("addmm", "mm", ...)
-    phase: str  #: "forward" or "backward"
-    rows: list[int]  #: flagged rows (within the last two dims)
-    segments: list[int]  #: flagged 256-column segments
-    ratio: float  #: worst D/T of the GEMM (nan where the backend reports no D)
-    shape: tuple[int, ...]  #: (*batch, M, K, N)
-    dtype: str
-    call_index: int  #: position of the GEMM among the step's GEMMs
-    rank: int = 0
-
-
-KindKey = tuple[str, str, str]  #: (op, phase, dtype): bounded label set for metrics
-
-
-@dataclass
-class GemmCounts:
-    """GEMMs of one (op, phase, dtype) in a step."""
-
-    seen: int = 0
-    verified: int = 0
-    flagged: int = 0
-
-
-@dataclass
-class StepReport:
-    """What one step saw. ``overhead`` = verification time / step time without it."""
-
-    step: int
-    seen: int  #: GEMMs seen
-    verified: int
-    flagged: int  #: GEMMs with at least one corrupted segment
-    detections: list[Detection]
-    unverified_ops: dict[str, int]  #: GEMM-bearing ops that could not be verified, by op
-    verify_seconds: float
-    step_seconds: float
-    overhead: float
-    overflow: int = 0  #: GEMMs with a legitimate-overflow segment (not corruption)
-    unverifiable: int = 0  #: GEMMs with non-finite inputs (not corruption)
-    worst_ratio: float = 0.0  #: worst D/T over the step's verified GEMMs
-    sites_seen: int = 0
-    sites_verified: int = 0
-    rank: int = 0
-    attempt: int = 0  #: 0 for the step's run, 1.. for re-executions by the recompute response
-    by_kind: dict[KindKey, GemmCounts] = field(default_factory=dict)  #: counts by (op, phase, dtype)
-
-    @property
-    def flag(self) -> bool:
-        """True if any GEMM of the step was flagged."""
-        return self.flagged > 0
-
-
-@dataclass
-class _Pending:
-    """A verified GEMM whose flags still sit on the device."""
-
-    site: SiteKey
-    kind: KindKey
-    call_index: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    sdc: Tensor  #: bool [..., M, nseg]
-    summary: Tensor  #: fp32 [3]: any sdc, worst ratio, any overflow
-
-
-class _Clock:
-    """Verification time: wall clock on CPU, CUDA events (read once per step) on GPU."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._events: list[tuple[Any, Any]] = []
-
-    def start(self, device: torch.device) -> Any:
-        if device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def stop(self, device: torch.device, started: Any) -> float:
-        """Add the elapsed time; returns it where known now (CPU), else 0."""
-        if device.type == "cuda":
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._events.append((started, end))
-            return 0.0
-        elapsed = time.perf_counter() - started
-        self.seconds += elapsed
-        return elapsed
-
-    def total(self) -> float:
-        """All verification time of the step (call after synchronising)."""
-        gpu = sum(start.elapsed_time(end) for start, end in self._events) / 1e3
-        return self.seconds + gpu
-
-
-def _summarize(check: AbftCheck) -> tuple[Tensor, Tensor]:
-    """Device-side reduction of one check: (sdc mask, [any sdc, worst D/T, any overflow])."""
-    sdc = check.sdc
-    ratio = check.ratio
-    if ratio is None:
-        worst = torch.full((), float("nan"), device=sdc.device)
-    else:
-        # Non-finite D (corruption to Inf/NaN) counts as an infinite ratio; segments that
-        # are unverifiable or may have overflowed legitimately do not count.
-        valid = ~check.inputs_bad & ~check.possible_overflow
-        ratio = torch.nan_to_num(ratio, nan=float("inf"))
-        worst = torch.where(valid, ratio, 0.0).amax() if ratio.numel() else ratio.new_zeros(())
-    summary = torch.stack([sdc.any().float(), worst.float(), check.possible_overflow.any().float(),
-                           (~check.ok & check.inputs_bad).any().float()])
-    return sdc, summary
 
 
 class MetricsSink(Protocol):
@@ -232,7 +113,7 @@ class Guard:
         self._warned: set[str] = set()
         self._backend_choice: dict[tuple, Backend] = {}
         self._e_max_choice: dict[tuple, float] = {}
-        self._reset_step_state()
+        self._ledger = StepLedger()
 
     # --- step lifecycle ------------------------------------------------------------------
 
@@ -246,17 +127,6 @@ class Guard:
         """The report of the last closed step."""
         return self.reports[-1] if self.reports else None
 
-    def _reset_step_state(self) -> None:
-        self._seen = 0
-        self._pending: list[_Pending] = []
-        self._unverified: dict[str, int] = {}
-        self._sites_seen: set[SiteKey] = set()
-        self._site_seconds: dict[SiteKey, float] = {}
-        self._site_calls: dict[SiteKey, int] = {}
-        self._by_kind: dict[KindKey, GemmCounts] = {}
-        self._clock = _Clock()
-        self._t0 = time.perf_counter()
-
     def begin_step(self, *, rerun: bool = False) -> None:
         """Open the next step, or (``rerun``) a re-execution of the step just closed.
 
@@ -265,7 +135,7 @@ class Guard:
         """
         if self._step_open:
             raise RuntimeError("begin_step(): a step is already open; call end_step() first")
-        self._reset_step_state()
+        self._ledger = StepLedger()
         if rerun:
             last = self.last_report
             if last is None:
@@ -290,14 +160,13 @@ class Guard:
             raise RuntimeError("end_step(): no step is open (use it inside the protect() block)")
         self._sites.stop()
         self._step_open = False
-        if not keep_empty and self._seen == 0 and not self._unverified:
+        if not keep_empty and self._ledger.seen == 0 and not self._ledger.unverified:
             return None
-        report = self._build_report()
+        report = self._ledger.report(self.step_index, self._attempt, self.rank)
         self.reports.append(report)
         self._publish("observe_report", report)
         if report.attempt == 0:
-            self.sampler.end_step(StepCosts(report.step, report.step_seconds, report.verify_seconds,
-                                            dict(self._site_seconds), dict(self._site_calls)))
+            self.sampler.end_step(self._ledger.costs(report))
         _next_step[self.model] = report.step + 1
         return report
 
@@ -350,7 +219,7 @@ class Guard:
     @property
     def gemms_seen(self) -> int:
         """GEMMs seen so far in the open step."""
-        return self._seen
+        return self._ledger.seen
 
     def activate(self) -> None:
         """Start intercepting GEMMs (the step lifecycle is separate)."""
@@ -390,25 +259,22 @@ class Guard:
 
     def on_unverified(self, op: str) -> None:
         """Count a GEMM-bearing op that cannot be verified."""
-        self._unverified[op] = self._unverified.get(op, 0) + 1
+        self._ledger.unverifiable(op)
 
     def on_gemm(self, gemm: Gemm) -> None:
         """Called by the dispatch mode for every GEMM: sample, verify, keep flags on device."""
-        call_index = self._seen
-        self._seen += 1
         phase = current_phase()
         kind: KindKey = (gemm.op, phase, str(gemm.a.dtype).removeprefix("torch."))
-        counts = self._by_kind.setdefault(kind, GemmCounts())
-        counts.seen += 1
+        call_index = self._ledger.see(kind)
         if not _verifiable(gemm):
             self.on_unverified(f"{gemm.op}[{kind[2]}]")
             return
         site: SiteKey = (self._sites.site(), phase, gemm.op)
-        self._sites_seen.add(site)
+        self._ledger.sites_seen.add(site)
         if self._attempt == 0 and not self.sampler.should_verify(site):
             return
         device = gemm.out.device
-        started = self._clock.start(device)
+        started = self._ledger.clock.start(device)
         try:
             with _disable_current_modes():  # modes below ours (a drill, a profiler) too
                 sdc, summary = self._verify(gemm)
@@ -417,12 +283,9 @@ class Guard:
                             f"GEMM ({type(exc).__name__}: {exc}); counting it as unverified")
             self.on_unverified(gemm.op)
             return
-        elapsed = self._clock.stop(device, started)
-        self._site_seconds[site] = self._site_seconds.get(site, 0.0) + elapsed
-        self._site_calls[site] = self._site_calls.get(site, 0) + 1
+        elapsed = self._ledger.clock.stop(device, started)
         shape = (*gemm.out.shape[:-2], gemm.a.shape[-2], gemm.a.shape[-1], gemm.b.shape[-1])
-        self._pending.append(_Pending(site, kind, call_index, shape, gemm.a.dtype, sdc, summary))
-        counts.verified += 1
+        self._ledger.record(Pending(site, kind, call_index, shape, gemm.a.dtype, sdc, summary), elapsed)
 
     def _verify(self, gemm: Gemm) -> tuple[Tensor, Tensor]:
         key = (gemm.a.device, gemm.a.dtype)
@@ -435,7 +298,7 @@ class Guard:
             weight = self.cache.get(gemm.b)
             if weight is not None:
                 req = dataclasses.replace(req, weight=weight)
-        return _summarize(backend.check(req))
+        return summarize(backend.check(req))
 
     def _choose_backend(self, req: GemmRequest) -> Backend:
         key = (req.device, req.a.dtype, req.a.dim(), req.b.dim(), req.bias is not None, req.alpha == 1.0)
@@ -461,32 +324,6 @@ class Guard:
 
     # --- end of step ---------------------------------------------------------------------
 
-    def _build_report(self) -> StepReport:
-        step = self.step_index
-        summaries = _read_summaries([p.summary for p in self._pending])  # the one host sync
-        step_seconds = time.perf_counter() - self._t0
-        verify_seconds = self._clock.total()
-        detections = [
-            _detection(step, p, s[1], self.rank)
-            for p, s in zip(self._pending, summaries)
-            if s[0] > 0
-        ]
-        for p, s in zip(self._pending, summaries):
-            if s[0] > 0:
-                self._by_kind[p.kind].flagged += 1
-        ratios = [s[1] for s in summaries if s[1] == s[1]]
-        base = max(step_seconds - verify_seconds, 1e-12)
-        return StepReport(
-            step=step, seen=self._seen, verified=len(self._pending), flagged=len(detections),
-            detections=detections, unverified_ops=dict(self._unverified),
-            verify_seconds=verify_seconds, step_seconds=step_seconds, overhead=verify_seconds / base,
-            overflow=sum(1 for s in summaries if s[2] > 0),
-            unverifiable=sum(1 for s in summaries if s[3] > 0),
-            worst_ratio=max(ratios, default=0.0), sites_seen=len(self._sites_seen),
-            sites_verified=len({p.site for p in self._pending}), rank=self.rank,
-            by_kind=dict(self._by_kind), attempt=self._attempt,
-        )
-
 
 def _verifiable(gemm: Gemm) -> bool:
     a, b, out = gemm.a, gemm.b, gemm.out
@@ -495,30 +332,6 @@ def _verifiable(gemm: Gemm) -> bool:
         and a.dim() >= 2 and b.dim() >= 2 and out.dim() >= 2
         and (gemm.bias is None or gemm.bias.is_floating_point())
     )
-
-
-def _read_summaries(summaries: list[Tensor]) -> list[list[float]]:
-    """All per-GEMM summaries to the host in one transfer per device."""
-    if not summaries:
-        return []
-    by_device: dict[torch.device, list[int]] = {}
-    for i, s in enumerate(summaries):
-        by_device.setdefault(s.device, []).append(i)
-    out: list[list[float]] = [[]] * len(summaries)
-    for indices in by_device.values():
-        rows = torch.stack([summaries[i] for i in indices]).tolist()
-        for i, row in zip(indices, rows):
-            out[i] = row
-    return out
-
-
-def _detection(step: int, p: _Pending, ratio: float, rank: int) -> Detection:
-    mask = p.sdc.reshape(-1, *p.sdc.shape[-2:]).any(0)
-    rows = torch.nonzero(mask.any(-1)).flatten().tolist()
-    segments = torch.nonzero(mask.any(-2)).flatten().tolist()
-    site, phase, op = p.site
-    return Detection(step, site, op, phase, rows, segments, ratio, p.shape,
-                     str(p.dtype).removeprefix("torch."), p.call_index, rank)
 
 
 def _current_rank() -> int:

@@ -20,7 +20,7 @@ clean output and the drill would silently prove nothing.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import torch  # noqa: F401  (the examples below use it)
 from torch import Tensor
 
 _PEAK_RATIO = 5.0

@@ -66,7 +66,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, push_to_gateway, start_http_server
 
 from . import distributed
-from .guard import StepReport
+from .report import StepReport
 from .policy import ACTIONS, CLASSIFICATIONS, StepOutcome
 
 #: Port of ``serve()`` for local rank 0; local rank ``r`` gets ``DEFAULT_PORT + r``.

@@ -55,7 +55,8 @@ from . import distributed
 from .snapshot import SnapshotStore
 
 if TYPE_CHECKING:
-    from .guard import Guard, StepReport
+    from .guard import Guard
+    from .report import StepReport
 
 log = logging.getLogger("sdc_guard")
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from . import backends
-from .abft import AbftCheck, encode_comp_row, num_segments, segment_reduce
+from .abft import AbftCheck, encode_comp_row, num_segments
 from .backends import GemmRequest
 from .precision import SEGMENT, check_dtype, resolve_e_max
 

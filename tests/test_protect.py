@@ -219,7 +219,7 @@ def test_weight_cache_hits_until_the_optimizer_updates_the_weight() -> None:
     w = model.fc1.weight
     a = torch.randn(5, 16)
     c = a @ w.t()
-    cache = sdc_guard.guard.WeightCache()
+    cache = sdc_guard.cache.WeightCache()
     cache.set_parameters([w])
     cached = vabft_check(a, w.t(), c, e_max=2e-5, weight=cache.get(w.t()))
     fresh = vabft_check(a, w.t(), c, e_max=2e-5)
@@ -228,7 +228,7 @@ def test_weight_cache_hits_until_the_optimizer_updates_the_weight() -> None:
 
 def test_cache_is_bounded_and_skips_non_parameters() -> None:
     params = [torch.nn.Parameter(torch.randn(256, 512)) for _ in range(4)]
-    cache = sdc_guard.guard.WeightCache(max_bytes=5000)  # an entry is ~2.1 kB
+    cache = sdc_guard.cache.WeightCache(max_bytes=5000)  # an entry is ~2.1 kB
     cache.set_parameters(params)
     for p in params:
         assert cache.get(p) is not None
@@ -274,7 +274,7 @@ def test_rotating_sampler_covers_every_site_in_each_window() -> None:
         x, y = lm_batch(step)
         with sdc_guard.protect(model, sampler=sampler) as guard:
             F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-            verified = {p.site for p in guard._pending}
+            verified = {p.site for p in guard._ledger.pending}
         opt.step()
         opt.zero_grad()
         seen_sites.append((guard.last_report.sites_seen, verified))

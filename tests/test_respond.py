@@ -1,7 +1,6 @@
 """Responses: fault drills, triage by re-execution, recompute, rollback, raise, exit, lockstep."""
 
 import json
-import os
 import signal
 import socket
 import subprocess

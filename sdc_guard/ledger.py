@@ -1,0 +1,169 @@
+"""The accounts of the open step: GEMMs seen, checks pending on the device, timing.
+
+``Guard`` records into a ``StepLedger`` per GEMM (no host synchronisation: flags stay on
+the device as small tensors) and turns it into a ``StepReport`` when the step closes,
+reading every pending summary in one transfer per device.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .abft import AbftCheck
+from .report import Detection, GemmCounts, KindKey, StepReport
+from .sampling import SiteKey, StepCosts
+
+
+@dataclass
+class Pending:
+    """A verified GEMM whose flags still sit on the device."""
+
+    site: SiteKey
+    kind: KindKey
+    call_index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sdc: Tensor  #: bool [..., M, nseg]
+    summary: Tensor  #: fp32 [3]: any sdc, worst ratio, any overflow
+
+
+class Clock:
+    """Verification time: wall clock on CPU, CUDA events (read once per step) on GPU."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._events: list[tuple[Any, Any]] = []
+
+    def start(self, device: torch.device) -> Any:
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, device: torch.device, started: Any) -> float:
+        """Add the elapsed time; returns it where known now (CPU), else 0."""
+        if device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((started, end))
+            return 0.0
+        elapsed = time.perf_counter() - started
+        self.seconds += elapsed
+        return elapsed
+
+    def total(self) -> float:
+        """All verification time of the step (call after synchronising)."""
+        gpu = sum(start.elapsed_time(end) for start, end in self._events) / 1e3
+        return self.seconds + gpu
+
+
+def summarize(check: AbftCheck) -> tuple[Tensor, Tensor]:
+    """Device-side reduction of one check: (sdc mask, [any sdc, worst D/T, any overflow])."""
+    sdc = check.sdc
+    ratio = check.ratio
+    if ratio is None:
+        worst = torch.full((), float("nan"), device=sdc.device)
+    else:
+        # Non-finite D (corruption to Inf/NaN) counts as an infinite ratio; segments that
+        # are unverifiable or may have overflowed legitimately do not count.
+        valid = ~check.inputs_bad & ~check.possible_overflow
+        ratio = torch.nan_to_num(ratio, nan=float("inf"))
+        worst = torch.where(valid, ratio, 0.0).amax() if ratio.numel() else ratio.new_zeros(())
+    summary = torch.stack([sdc.any().float(), worst.float(), check.possible_overflow.any().float(),
+                           (~check.ok & check.inputs_bad).any().float()])
+    return sdc, summary
+
+
+
+class StepLedger:
+    """Everything ``Guard`` learns during one step (or one re-execution of it)."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.pending: list[Pending] = []
+        self.unverified: dict[str, int] = {}
+        self.sites_seen: set[SiteKey] = set()
+        self.site_seconds: dict[SiteKey, float] = {}
+        self.site_calls: dict[SiteKey, int] = {}
+        self.by_kind: dict[KindKey, GemmCounts] = {}
+        self.clock = Clock()
+        self.started = time.perf_counter()
+
+    def see(self, kind: KindKey) -> int:
+        """Count a GEMM; returns its index among the step's GEMMs."""
+        self.seen += 1
+        self.by_kind.setdefault(kind, GemmCounts()).seen += 1
+        return self.seen - 1
+
+    def unverifiable(self, op: str) -> None:
+        """Count a GEMM-bearing op that could not be verified."""
+        self.unverified[op] = self.unverified.get(op, 0) + 1
+
+    def record(self, pending: Pending, seconds: float) -> None:
+        """A verified GEMM whose flags wait on the device; ``seconds`` it took (CPU)."""
+        self.pending.append(pending)
+        self.by_kind[pending.kind].verified += 1
+        self.site_seconds[pending.site] = self.site_seconds.get(pending.site, 0.0) + seconds
+        self.site_calls[pending.site] = self.site_calls.get(pending.site, 0) + 1
+
+    def costs(self, report: StepReport) -> StepCosts:
+        """The sampler's feedback for this step."""
+        return StepCosts(report.step, report.step_seconds, report.verify_seconds,
+                         dict(self.site_seconds), dict(self.site_calls))
+
+    def report(self, step: int, attempt: int, rank: int) -> StepReport:
+        """Read the flags (the one host synchronisation of the step) into a report."""
+        summaries = read_summaries([p.summary for p in self.pending])  # the one host sync
+        step_seconds = time.perf_counter() - self.started
+        verify_seconds = self.clock.total()
+        detections = [
+            detection(step, p, s[1], rank)
+            for p, s in zip(self.pending, summaries)
+            if s[0] > 0
+        ]
+        for p, s in zip(self.pending, summaries):
+            if s[0] > 0:
+                self.by_kind[p.kind].flagged += 1
+        ratios = [s[1] for s in summaries if s[1] == s[1]]
+        base = max(step_seconds - verify_seconds, 1e-12)
+        return StepReport(
+            step=step, seen=self.seen, verified=len(self.pending), flagged=len(detections),
+            detections=detections, unverified_ops=dict(self.unverified),
+            verify_seconds=verify_seconds, step_seconds=step_seconds, overhead=verify_seconds / base,
+            overflow=sum(1 for s in summaries if s[2] > 0),
+            unverifiable=sum(1 for s in summaries if s[3] > 0),
+            worst_ratio=max(ratios, default=0.0), sites_seen=len(self.sites_seen),
+            sites_verified=len({p.site for p in self.pending}), rank=rank,
+            by_kind=dict(self.by_kind), attempt=attempt,
+        )
+
+
+
+def read_summaries(summaries: list[Tensor]) -> list[list[float]]:
+    """All per-GEMM summaries to the host in one transfer per device."""
+    if not summaries:
+        return []
+    by_device: dict[torch.device, list[int]] = {}
+    for i, s in enumerate(summaries):
+        by_device.setdefault(s.device, []).append(i)
+    out: list[list[float]] = [[]] * len(summaries)
+    for indices in by_device.values():
+        rows = torch.stack([summaries[i] for i in indices]).tolist()
+        for i, row in zip(indices, rows):
+            out[i] = row
+    return out
+
+
+def detection(step: int, p: Pending, ratio: float, rank: int) -> Detection:
+    mask = p.sdc.reshape(-1, *p.sdc.shape[-2:]).any(0)
+    rows = torch.nonzero(mask.any(-1)).flatten().tolist()
+    segments = torch.nonzero(mask.any(-2)).flatten().tolist()
+    site, phase, op = p.site
+    return Detection(step, site, op, phase, rows, segments, ratio, p.shape,
+                     str(p.dtype).removeprefix("torch."), p.call_index, rank)

@@ -1,0 +1,66 @@
+"""What a guarded step saw: ``StepReport`` and its ``Detection`` records.
+
+Plain dataclasses, so that metrics, loggers, policies and users read one format; built
+once per step by ``Guard`` (one host synchronisation), never per GEMM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Detection:
+    """One GEMM whose check found corruption."""
+
+    step: int
+    site: str  #: module path relative to the protected model ("global" outside any module)
+    op: str  #: aten op ("addmm", "mm", ...)
+    phase: str  #: "forward" or "backward"
+    rows: list[int]  #: flagged rows (within the last two dims)
+    segments: list[int]  #: flagged 256-column segments
+    ratio: float  #: worst D/T of the GEMM (nan where the backend reports no D)
+    shape: tuple[int, ...]  #: (*batch, M, K, N)
+    dtype: str
+    call_index: int  #: position of the GEMM among the step's GEMMs
+    rank: int = 0
+
+
+KindKey = tuple[str, str, str]  #: (op, phase, dtype): bounded label set for metrics
+
+
+@dataclass
+class GemmCounts:
+    """GEMMs of one (op, phase, dtype) in a step."""
+
+    seen: int = 0
+    verified: int = 0
+    flagged: int = 0
+
+
+@dataclass
+class StepReport:
+    """What one step saw. ``overhead`` = verification time / step time without it."""
+
+    step: int
+    seen: int  #: GEMMs seen
+    verified: int
+    flagged: int  #: GEMMs with at least one corrupted segment
+    detections: list[Detection]
+    unverified_ops: dict[str, int]  #: GEMM-bearing ops that could not be verified, by op
+    verify_seconds: float
+    step_seconds: float
+    overhead: float
+    overflow: int = 0  #: GEMMs with a legitimate-overflow segment (not corruption)
+    unverifiable: int = 0  #: GEMMs with non-finite inputs (not corruption)
+    worst_ratio: float = 0.0  #: worst D/T over the step's verified GEMMs
+    sites_seen: int = 0
+    sites_verified: int = 0
+    rank: int = 0
+    attempt: int = 0  #: 0 for the step's run, 1.. for re-executions by the recompute response
+    by_kind: dict[KindKey, GemmCounts] = field(default_factory=dict)  #: counts by (op, phase, dtype)
+
+    @property
+    def flag(self) -> bool:
+        """True if any GEMM of the step was flagged."""
+        return self.flagged > 0
