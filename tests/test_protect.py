@@ -311,7 +311,7 @@ def test_budget_sampler_meets_its_budget_on_a_real_training_loop() -> None:
     assert verify / base < 0.1, (verify / base, full_overhead)  # budget 0.05, noise allowed
     assert sampler.coverage(window=20) == 1.0
     assert 0 < sampler.achieved_overhead < full_overhead
-    assert sum(r.verified for r in later) < sum(r.seen for r in later) / 4
+    assert sum(r.verified for r in later) < sum(r.seen for r in later) / 2  # far from Full()
 
 
 def test_bad_arguments_are_named() -> None:
