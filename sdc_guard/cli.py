@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("sdc_guard.demo", "train a small GPT with injected faults and watch them get caught (needs lightning)"),
     "selftest": ("sdc_guard.selftest", "check the installation end to end on every available backend"),
     "bi": ("sdc_guard.bi_cli", "batch-invariance and determinism harness"),
+    "bench": ("sdc_guard.bench", "benchmarks: overhead, false positives, detection, training overhead, e_max calibration"),
 }
 
 

@@ -1,0 +1,162 @@
+"""``sdc-guard bench``: every benchmark runs end to end through the CLI at a tiny size and
+writes JSON that says what it should. These test the tool, never the machine: no
+assertion here is about how fast anything is, only about what must hold whatever the
+speed (a check that re-reads all of B costs more than one that does not).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sdc_guard import cli
+from sdc_guard.bench_calibrate import recommend
+from sdc_guard.bench_common import parse_shape, table
+from sdc_guard.bench_detect import bit_field
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def bench(tmp_path: Path, *args: str, status: int = 0) -> dict:
+    """Run ``python -m sdc_guard bench ARGS --json PATH`` and return the JSON it wrote."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "sdc_guard", "bench", *args, "--quiet", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == status, proc.stdout + proc.stderr
+    assert f"wrote {out}" in proc.stdout
+    return json.loads(out.read_text())
+
+
+def test_overhead(tmp_path: Path) -> None:
+    # 1 x 1024 x 1024 fp32: cold re-reads B's 1 Mi elements, warm reads 2 Ki of A and C.
+    report = bench(tmp_path, "overhead", "--shapes", "1x1024x1024,16x256x300", "--dtypes", "fp32,bf16",
+                   "--reps", "3", "--min-time", "0", "--warmup", "1", "--stat", "min")
+    assert report["command"] == "overhead" and report["bandwidth"]["bytes_per_s"] > 0
+    assert report["settings"]["statistic"] == "min"
+    rows = report["rows"]
+    assert [(r["dtype"], r["m"], r["k"], r["n"]) for r in rows] == [
+        ("fp32", 1, 1024, 1024), ("fp32", 16, 256, 300), ("bf16", 1, 1024, 1024), ("bf16", 16, 256, 300)]
+    for r in rows:
+        assert r["backend"] == "torch" and r["reps"] >= 3
+        assert set(r["ms"]) == {"bare", "cold", "warm", "legacy", "recompute"}
+        assert all(v > 0 for v in r["ms"].values())
+        assert r["overhead"]["cold"] == pytest.approx(r["ms"]["cold"] / r["ms"]["bare"])
+        assert 0 < r["floor_ms"]["warm"] < r["floor_ms"]["cold"]
+    big = [r for r in rows if r["k"] == 1024]
+    assert all(r["overhead"]["warm"] < r["overhead"]["cold"] for r in big)
+    summary = report["summary"]
+    assert set(summary) >= {"all", "fp32", "bf16", "targets", "anchors"}
+    assert summary["all"]["shapes"] == 4
+    # no shape has M >= 512: the cold target is not measured rather than failed
+    assert summary["targets"]["cold_mean_m512_le_30pct"]["met"] is None
+    assert isinstance(summary["targets"]["warm_mean_le_5pct"]["met"], bool)
+
+
+def test_overhead_default_shape_set() -> None:
+    """The shape set of issue 8, and the MOE gate in fp32 only."""
+    args = cli.build_parser().parse_args(["bench", "overhead"])
+    from sdc_guard.bench_overhead import cells
+
+    todo = cells(args)
+    shapes = {(d, s) for d, _, s in todo}
+    assert len(todo) == 22
+    for dtype in ("torch.bfloat16", "torch.float32"):
+        for m in (1, 4, 8, 64, 512, 2048):
+            assert (dtype, (m, 4096, 4096)) in {(str(d), s) for d, s in shapes}
+    moe = [(str(d), s) for d, g, s in todo if g == "moe_gate"]
+    assert moe == [("torch.float32", (512, 4096, 8)), ("torch.float32", (4096, 4096, 8))]
+
+
+def test_fp_counts_zero_on_clean_products(tmp_path: Path) -> None:
+    report = bench(tmp_path, "fp", "--shapes", "8x64x300,16x128x8", "--trials", "3")
+    rows = report["rows"]
+    assert len(rows) == 3 * 3 * 2  # dtypes x distributions x shapes
+    assert {r["dist"] for r in rows} == {"gaussian", "uniform", "scaled"}
+    assert all(r["false_positives"] == 0 and r["trials"] == 3 for r in rows)
+    assert all(0 < r["max_ratio"] < 1 for r in rows)
+    assert report["summary"] == {**report["summary"], "false_positives": 0, "trials": 54, "pass": True}
+    assert any("fp16 on CPU" in note for note in report["notes"])
+
+
+def test_fp_exit_status_counts_a_failing_product(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A product that fails verification is counted (and the exit status says so): here
+    the "clean" product is given a planted error, so every trial must count."""
+    from sdc_guard import bench_fp
+
+    def corrupted(a, b):
+        c = a @ b
+        c[0, 0] += 1e4
+        return c
+
+    monkeypatch.setattr(bench_fp, "product", corrupted)
+    out = tmp_path / "fp.json"
+    status = cli.main(["bench", "fp", "--dtypes", "fp32", "--dists", "gaussian", "--shapes", "8x64x300",
+                       "--trials", "2", "--quiet", "--json", str(out)])
+    assert status == 1 and "FAIL: 2 false positives" in capsys.readouterr().out
+    assert json.loads(out.read_text())["rows"][0]["failed_segments"] == 2
+
+
+def test_detect(tmp_path: Path) -> None:
+    report = bench(tmp_path, "detect", "--shape", "32x128x300", "--gemms", "1", "--magnitudes", "1e-6,100")
+    assert [r["dtype"] for r in report["results"]] == ["bf16", "fp16", "fp32"]
+    for res in report["results"]:
+        bits = 32 if res["dtype"] == "fp32" else 16
+        assert len(res["by_bit"]) == 2 * bits
+        top = [b for b in res["by_bit"] if b["field"] == "exponent (top)" and b["direction"] == "0->1"]
+        assert len(top) == 1 and top[0]["trials"] > 0 and top[0]["rate"] == 1.0
+        assert res["summary"]["exponent (top) 0->1"]["rate"] == 1.0
+        by_mag = {m["magnitude"]: m for m in res["by_magnitude"]}
+        assert by_mag[100.0]["rate"] == 1.0  # 100x the segment's RMS: always caught
+        assert res["summary"]["false_alarms"] == 0
+
+
+def test_calibrate_recommends_margin_over_measured_max(tmp_path: Path) -> None:
+    report = bench(tmp_path, "calibrate", "--dtypes", "bf16,fp32", "--shapes", "8x64x300", "--trials", "3",
+                   "--margin", "3")
+    for name in ("bf16", "fp32"):
+        s = report["summary"][name]
+        measured = max(r["max_ratio"] for r in report["rows"] if r["dtype"] == name)
+        assert 0 < measured < 1 and s["max_ratio"] == measured
+        assert s["recommended_e_max"] == pytest.approx(3 * measured) and s["recommended_e_max"] > measured
+        assert s["default_margin"] == pytest.approx(s["default_e_max"] / measured)
+
+
+def test_train(tmp_path: Path) -> None:
+    report = bench(tmp_path, "train", "--steps", "3", "--warmup", "1", "--d-model", "32", "--layers", "1",
+                   "--heads", "2", "--ctx", "16", "--vocab", "32", "--batch", "2", "--every-n", "2",
+                   "--budget", "0.05", "--window", "3")
+    results = {r["config"]: r for r in report["results"]}
+    assert list(results) == ["baseline", "intercept only", "Full()", "Budget(0.05)", "EveryN(2)"]
+    assert all(r["step_ms_median"] > 0 for r in results.values())
+    full = results["Full()"]
+    assert full["gemms_verified_per_step"] == full["gemms_seen_per_step"] > 0
+    assert full["max_gap_steps"] == 0 and full["flagged"] == 0
+    assert results["intercept only"]["gemms_verified_per_step"] == 0
+    budget = results["Budget(0.05)"]
+    assert 0 <= budget["budget_coverage"] <= 1 and budget["sites"] == full["sites"] > 0
+    assert results["EveryN(2)"]["max_gap_steps"] == 1  # verified on every second step
+    assert set(report["targets"]) == {"full_le_20pct", "budget_le_7pct", "budget_every_site_within_20"}
+
+
+def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "overhead", "--shapes", "square", "--m", "3"]) == 2
+    assert "no shape left" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "fp", "--dtypes", "int8"])
+    assert exc.value.code == 2
+    assert "expected names from" in capsys.readouterr().err
+
+
+def test_helpers() -> None:
+    assert parse_shape("2X3x4") == (2, 3, 4)
+    with pytest.raises(ValueError, match="MxKxN"):
+        parse_shape("2x3")
+    assert table(["a"], [[1.0]]).splitlines()[-1] == "1.00"
+    assert recommend(0.25, 4.0) == 1.0
+    assert [bit_field(__import__("torch").bfloat16, b) for b in (15, 14, 7, 6)] == [
+        "sign", "exponent (top)", "exponent", "mantissa"]
