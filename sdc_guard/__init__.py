@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from . import backends, legacy
 from . import sampling
-from .abft import decode_comp_row, encode_comp_row
+from .comp_row import decode_comp_row, encode_comp_row
 from .guard import Guard, protect
 from .report import Detection, StepReport
 from .inject import GemmFault, drill, flip_parameter_bit

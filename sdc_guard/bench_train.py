@@ -35,7 +35,7 @@ from .bench_common import (
     resolve_device, sync, table,
 )
 from .guard import protect
-from .sampling import Budget, EveryN, Full, Sampler, SiteKey, StepCosts
+from .sampling import Budget, EveryN, Full, Sampler, SiteKey, StepCosts, _Stateless
 from .toy_gpt import GPT, GPTConfig
 
 #: Issue 8's targets for this benchmark.
@@ -69,26 +69,12 @@ def _one_dtype(text: str) -> torch.dtype:
     return dtypes[0]
 
 
-class Never:
+class Never(_Stateless):
     """Verify nothing: what ``protect()`` costs before any verification (the dispatch mode
     seeing every op, site tracking, the step's bookkeeping)."""
 
-    step = 0
-
-    def begin_step(self, step: int) -> None:
-        self.step = step
-
     def should_verify(self, site: SiteKey) -> bool:
         return False
-
-    def end_step(self, costs: StepCosts) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
 
     def __repr__(self) -> str:
         return "Never()"

@@ -26,7 +26,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .abft import AbftCheck, decode_comp_row, row_stats, segment_reduce, weight_side
+from .abft import AbftCheck, row_stats, weight_side
+from .comp_row import decode_comp_row
+from .segments import segment_reduce
 from .backends import Backend, GemmRequest
 from .precision import UNIT_ROUNDOFF, overflow_limit
 

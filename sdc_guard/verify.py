@@ -18,7 +18,9 @@ import torch
 from torch import Tensor
 
 from . import backends
-from .abft import AbftCheck, encode_comp_row, num_segments
+from .abft import AbftCheck
+from .comp_row import encode_comp_row
+from .segments import num_segments
 from .backends import GemmRequest
 from .precision import SEGMENT, check_dtype, resolve_e_max
 
