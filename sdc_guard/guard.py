@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from contextlib import contextmanager
 import weakref
 from collections import deque
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -233,16 +232,6 @@ class Guard:
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
-
-    @contextmanager
-    def intercepting(self) -> Iterator["Guard"]:
-        """Intercept inside the block without opening or closing a step: for frameworks
-        whose step spans several calls (Lightning's micro-batches)."""
-        self.activate()
-        try:
-            yield self
-        finally:
-            self.deactivate()
 
     def __enter__(self) -> "Guard":
         if not self._step_open:

@@ -29,7 +29,7 @@ class Pending:
     shape: tuple[int, ...]
     dtype: torch.dtype
     sdc: Tensor  #: bool [..., M, nseg]
-    summary: Tensor  #: fp32 [3]: any sdc, worst ratio, any overflow
+    summary: Tensor  #: fp32 [4]: any sdc, worst D/T, any possible overflow, any unverifiable failure
 
 
 class Clock:
@@ -64,7 +64,7 @@ class Clock:
 
 
 def summarize(check: AbftCheck) -> tuple[Tensor, Tensor]:
-    """Device-side reduction of one check: (sdc mask, [any sdc, worst D/T, any overflow])."""
+    """Device-side reduction of one check: (sdc mask, [any sdc, worst D/T, any overflow, any unverifiable])."""
     sdc = check.sdc
     ratio = check.ratio
     if ratio is None:
