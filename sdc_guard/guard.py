@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 from . import backends
 from .backends import Backend, GemmRequest
@@ -31,7 +31,7 @@ from .precision import SUPPORTED_DTYPES, resolve_e_max
 from .ledger import Pending, StepLedger, summarize
 from .report import KindKey, StepReport
 from .policy import Policy, Responder, StepOutcome
-from .sampling import Full, Sampler, SiteKey
+from .sampling import Full, Sampler, SiteKey, sampler_watches
 from .snapshot import SnapshotStore
 
 #: Next step number per model, so per-step ``protect()`` blocks continue one schedule.
@@ -108,6 +108,8 @@ class Guard:
         self.rank = rank if rank is not None else _current_rank()
         self._sites = SiteTracker(model)
         self._mode: GemmInterceptor | None = None
+        self._active = False  #: interception asked for (activate/deactivate)
+        self._watching = True  #: the open step's GEMMs are to be seen (the sampler's call)
         self._step_open = False
         self._warned: set[str] = set()
         self._backend_choice: dict[tuple, Backend] = {}
@@ -130,7 +132,9 @@ class Guard:
         """Open the next step, or (``rerun``) a re-execution of the step just closed.
 
         A re-execution keeps the step number, counts as the next ``attempt`` and verifies
-        every GEMM whatever the sampler says: triage must see what the first run saw.
+        every GEMM whatever the sampler says: triage must see what the first run saw. A
+        step the sampler does not watch (``EveryN`` between its steps, ``Budget`` between
+        sweeps) runs without the dispatch mode: it costs nothing and reports no GEMMs.
         """
         if self._step_open:
             raise RuntimeError("begin_step(): a step is already open; call end_step() first")
@@ -145,8 +149,11 @@ class Guard:
             self._attempt = 0
             self.cache.set_parameters(self.model.parameters())
             self.sampler.begin_step(self.step_index)
-        self._sites.start()
+        self._watching = rerun or sampler_watches(self.sampler)
+        if self._watching:
+            self._sites.start()
         self._step_open = True
+        self._sync_mode()
 
     def end_step(self) -> StepReport:
         """Close the open step: read its flags (one host sync) and report it."""
@@ -159,9 +166,9 @@ class Guard:
             raise RuntimeError("end_step(): no step is open (use it inside the protect() block)")
         self._sites.stop()
         self._step_open = False
-        if not keep_empty and self._ledger.seen == 0 and not self._ledger.unverified:
-            return None
-        report = self._ledger.report(self.step_index, self._attempt, self.rank)
+        if not keep_empty and self._watching and self._ledger.seen == 0 and not self._ledger.unverified:
+            return None  # a block that ran no GEMM (an unwatched step is still a step)
+        report = self._ledger.report(self.step_index, self._attempt, self.rank, watched=self._watching)
         self.reports.append(report)
         self._publish("observe_report", report)
         if report.attempt == 0:
@@ -222,14 +229,34 @@ class Guard:
 
     def activate(self) -> None:
         """Start intercepting GEMMs (the step lifecycle is separate)."""
-        if self._mode is not None:
+        if self._active:
             raise RuntimeError("this Guard is already active")
-        self._mode = GemmInterceptor(self)
-        self._mode.__enter__()
+        self._active = True
+        self._sync_mode()
 
     def deactivate(self) -> None:
         """Stop intercepting; an open step stays open."""
-        if self._mode is not None:
+        self._active = False
+        self._sync_mode()
+
+    @property
+    def intercepting(self) -> bool:
+        """Whether the dispatch mode is on now (active, and the step is watched)."""
+        return self._mode is not None
+
+    def _sync_mode(self) -> None:
+        """Enter the dispatch mode when active and watching, leave it otherwise.
+
+        Mode stacks are last-in first-out: if another mode was entered above ours (a
+        profiler inside ``protect()``), an unwatched step keeps ours in place rather than
+        pop the wrong one, and ``on_gemm`` ignores what it sees.
+        """
+        wanted = self._active and self._watching
+        if wanted and self._mode is None:
+            self._mode = GemmInterceptor(self)
+            self._mode.__enter__()
+        elif not wanted and self._mode is not None and (
+                not self._active or _get_current_dispatch_mode() is self._mode):
             self._mode.__exit__(None, None, None)
             self._mode = None
 
@@ -252,6 +279,8 @@ class Guard:
 
     def on_gemm(self, gemm: Gemm) -> None:
         """Called by the dispatch mode for every GEMM: sample, verify, keep flags on device."""
+        if not self._watching:
+            return
         phase = current_phase()
         kind: KindKey = (gemm.op, phase, str(gemm.a.dtype).removeprefix("torch."))
         call_index = self._ledger.see(kind)

@@ -117,7 +117,7 @@ class StepLedger:
         return StepCosts(report.step, report.step_seconds, report.verify_seconds,
                          dict(self.site_seconds), dict(self.site_calls))
 
-    def report(self, step: int, attempt: int, rank: int) -> StepReport:
+    def report(self, step: int, attempt: int, rank: int, *, watched: bool = True) -> StepReport:
         """Read the flags (the one host synchronisation of the step) into a report."""
         summaries = read_summaries([p.summary for p in self.pending])  # the one host sync
         step_seconds = time.perf_counter() - self.started
@@ -140,7 +140,7 @@ class StepLedger:
             unverifiable=sum(1 for s in summaries if s[3] > 0),
             worst_ratio=max(ratios, default=0.0), sites_seen=len(self.sites_seen),
             sites_verified=len({p.site for p in self.pending}), rank=rank,
-            by_kind=dict(self.by_kind), attempt=attempt,
+            by_kind=dict(self.by_kind), attempt=attempt, watched=watched,
         )
 
 

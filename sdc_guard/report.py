@@ -59,6 +59,8 @@ class StepReport:
     rank: int = 0
     attempt: int = 0  #: 0 for the step's run, 1.. for re-executions by the recompute response
     by_kind: dict[KindKey, GemmCounts] = field(default_factory=dict)  #: counts by (op, phase, dtype)
+    #: False for a step the sampler chose not to watch (no dispatch mode, so no GEMM seen)
+    watched: bool = True
 
     @property
     def flag(self) -> bool:

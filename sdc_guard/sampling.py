@@ -1,17 +1,22 @@
 """Which GEMMs to verify: all of them, or a share chosen by a promise about coverage or cost.
 
 A *site* is where a GEMM comes from: ``(module path, phase, op)``. Samplers decide per
-call (``should_verify``) and learn at the end of each step (``end_step``), so that a
-sampler carries its schedule across successive ``protect()`` blocks. Each sampler's
-promise:
+step whether the guard needs to see the step's GEMMs at all (``watches_step``), per call
+whether to verify (``should_verify``), and learn at the end of each step (``end_step``),
+so that a sampler carries its schedule across successive ``protect()`` blocks.
+
+A step nobody watches costs nothing: the guard leaves its dispatch mode off, and the
+Python dispatch mode seeing every aten op is most of what a sampled guard costs a small
+model (5-10 % of a CPU step for a mode that does nothing). Each sampler's promise:
 
 - ``Full()``: every GEMM.
 - ``Rate(p, seed)``: each GEMM independently with probability ``p``, reproducible.
-- ``EveryN(n)``: every GEMM of every n-th step (steps 0, n, 2n, ...), none in between.
+- ``EveryN(n)``: every GEMM of every n-th step (steps 0, n, 2n, ...); the steps in between
+  are not watched.
 - ``Rotating(k)``: every site at least once in every window of ``k`` consecutive steps.
-- ``Budget(max_overhead)``: verification time at or under ``max_overhead`` of the step
-  time without verification, spending it on the sites verified longest ago; the first
-  step verifies everything, to measure each site's cost.
+- ``Budget(max_overhead)``: everything the guard adds (interception and verification) at or
+  under ``max_overhead`` of the unguarded step time, spent in sweeps that verify every
+  site; the first steps verify everything, to measure each site's cost.
 """
 
 from __future__ import annotations
@@ -35,13 +40,24 @@ class StepCosts:
 
 
 class Sampler(Protocol):
-    """The interface ``Guard`` drives. ``state_dict`` makes a resumed run continue."""
+    """The interface ``Guard`` drives. ``state_dict`` makes a resumed run continue.
+
+    ``watches_step`` is optional (a sampler without it watches every step): called after
+    ``begin_step``, ``False`` promises that ``should_verify`` would refuse every GEMM of
+    the step, so the guard need not intercept it.
+    """
 
     def begin_step(self, step: int) -> None: ...
     def should_verify(self, site: SiteKey) -> bool: ...
     def end_step(self, costs: StepCosts) -> None: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def sampler_watches(sampler: Sampler) -> bool:
+    """``sampler.watches_step()``; a sampler without that method watches every step."""
+    watches = getattr(sampler, "watches_step", None)
+    return True if watches is None else bool(watches())
 
 
 class _Stateless:
@@ -51,6 +67,9 @@ class _Stateless:
 
     def begin_step(self, step: int) -> None:
         self.step = step
+
+    def watches_step(self) -> bool:
+        return True
 
     def end_step(self, costs: StepCosts) -> None:
         pass
@@ -90,6 +109,9 @@ class Rate(_Stateless):
         self.seed = seed
         self._rng = random.Random(seed)
 
+    def watches_step(self) -> bool:
+        return self.p > 0.0
+
     def should_verify(self, site: SiteKey) -> bool:
         return self._rng.random() < self.p
 
@@ -112,14 +134,17 @@ def _check_positive_int(name: str, value: object) -> int:
 
 
 class EveryN(_Stateless):
-    """Verify every GEMM of steps 0, n, 2n, ...; nothing in between.
+    """Verify every GEMM of steps 0, n, 2n, ...; the steps in between are not watched.
 
-    >>> s = EveryN(3); s.begin_step(4); s.should_verify(("x", "forward", "mm"))
-    False
+    >>> s = EveryN(3); s.begin_step(4); s.watches_step(), s.should_verify(("x", "forward", "mm"))
+    (False, False)
     """
 
     def __init__(self, n: int) -> None:
         self.n = _check_positive_int("n", n)
+
+    def watches_step(self) -> bool:
+        return self.step % self.n == 0
 
     def should_verify(self, site: SiteKey) -> bool:
         return self.step % self.n == 0
@@ -148,6 +173,9 @@ class Rotating:
     def begin_step(self, step: int) -> None:
         self.step = step
 
+    def watches_step(self) -> bool:
+        return True
+
     def should_verify(self, site: SiteKey) -> bool:
         if site not in self._index:
             self._index[site] = len(self._index) % self.k
@@ -169,14 +197,17 @@ class Rotating:
 
 
 class Budget:
-    """Keep verification time at or under ``max_overhead`` of the unverified step time.
+    """Keep what the guard adds to a step at or under ``max_overhead`` of the unguarded step.
 
-    A token bucket: every step earns ``max_overhead`` times the moving average of the
-    step time without verification; the plan spends it on sites in order of staleness
-    (steps since last verified), stopping at the first site it cannot afford; the time
-    really spent is charged at the end of the step. So the long-run overhead is the
-    budget, and every site comes round: with a full-verification overhead ``F``, each
-    site is verified about every ``F / max_overhead`` steps.
+    What the guard adds is interception (a dispatch mode seeing every op of a watched
+    step) as well as verification, and on a small model interception alone can exceed a
+    5 % budget. So the budget is spent in *sweeps*: a token bucket earns, every step,
+    ``max_overhead`` times the moving average of the step time of unwatched steps; once
+    the credit covers verifying every known site (at their measured costs), the next step
+    is watched and verifies them all, and is charged what it really cost over an unwatched
+    step (interception included, never less than its verification time). Unwatched steps
+    cost nothing. With a full sweep costing ``F`` of a step, every site is verified about
+    every ``F / max_overhead`` steps, and the long-run overhead is the budget.
 
     Costs are robust to a noisy machine: each site's *relative* cost is the minimum of its
     measurements during the ``warmup`` steps (which verify everything and are not
@@ -185,8 +216,8 @@ class Budget:
     therefore moves the whole plan for a few steps instead of pricing one site out of the
     schedule. A site first met after warm-up is verified at once and charged.
 
-    >>> b = Budget(0.05); b.begin_step(0); b.should_verify(("a", "forward", "mm"))
-    True
+    >>> b = Budget(0.05); b.begin_step(0); b.watches_step(), b.should_verify(("a", "forward", "mm"))
+    (True, True)
     """
 
     def __init__(self, max_overhead: float, *, smoothing: float = 0.3, warmup: int = 2) -> None:
@@ -204,10 +235,11 @@ class Budget:
         self._cost: dict[SiteKey, float] = {}  #: relative cost (seconds at scale 1)
         self._scale = 1.0
         self._last: dict[SiteKey, int] = {}
-        self._base_seconds: float | None = None
+        self._base_seconds: float | None = None  #: moving average of an unguarded step
+        self._base_measured = False  #: whether an unwatched step has measured it yet
         self._credit = 0.0
-        self._plan: set[SiteKey] = set()
-        self._verify_total = 0.0
+        self._sweep = False
+        self._charged_total = 0.0
         self._base_total = 0.0
         self._completed = -1
 
@@ -219,42 +251,48 @@ class Budget:
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
 
+    @property
+    def _sweep_cost(self) -> float:
+        """Predicted verification seconds of a sweep over every known site."""
+        return self._scale * sum(self._cost.values())
+
     def begin_step(self, step: int) -> None:
         self.step = step
-        self._plan = set() if self.warming_up else self._make_plan()
-
-    def _make_plan(self) -> set[SiteKey]:
+        if self.warming_up:
+            self._sweep = True
+            return
         assert self._base_seconds is not None
         earned = self.max_overhead * self._base_seconds
-        cap = max(self._scale * sum(self._cost.values()), earned)
-        self._credit = min(self._credit + earned, cap)
-        plan: set[SiteKey] = set()
-        spent = 0.0
-        for site in sorted(self._cost, key=lambda s: (self._last.get(s, -1), s)):
-            cost = self._scale * self._cost[site]
-            if spent + cost > self._credit:
-                break
-            plan.add(site)
-            spent += cost
-        return plan
+        self._credit = min(self._credit + earned, max(self._sweep_cost, earned))
+        self._sweep = self._credit >= self._sweep_cost
+
+    def watches_step(self) -> bool:
+        return self._sweep
 
     def should_verify(self, site: SiteKey) -> bool:
-        return self.warming_up or site not in self._cost or site in self._plan
+        return self._sweep or site not in self._cost
 
     def end_step(self, costs: StepCosts) -> None:
-        base = max(costs.step_seconds - costs.verify_seconds, 1e-9)
+        watched = self._sweep
         warm = self.warming_up
         self._steps_done += 1
         self._completed = costs.step
         self._learn_costs(costs.site_seconds, warm)
         for site in costs.site_seconds:
             self._last[site] = costs.step
-        self._base_seconds = base if warm else self._ema(self._base_seconds, base)
         if warm:
+            # no unwatched step yet: the step less its verification stands in for the base
+            self._base_seconds = self._ema(self._base_seconds, max(costs.step_seconds - costs.verify_seconds, 1e-9))
             return
-        self._credit -= costs.verify_seconds
-        self._verify_total += costs.verify_seconds
-        self._base_total += base
+        assert self._base_seconds is not None
+        if not watched:
+            seconds = max(costs.step_seconds, 1e-9)
+            self._base_seconds = self._ema(self._base_seconds if self._base_measured else None, seconds)
+            self._base_measured = True
+        charge = max(costs.step_seconds - self._base_seconds, costs.verify_seconds) if watched else 0.0
+        self._credit -= charge
+        self._charged_total += charge
+        self._base_total += self._base_seconds
 
     def _learn_costs(self, measured: dict[SiteKey, float], warm: bool) -> None:
         if warm:
@@ -271,8 +309,9 @@ class Budget:
 
     @property
     def achieved_overhead(self) -> float:
-        """Total verification time over total step time without it, after warm-up."""
-        return self._verify_total / self._base_total if self._base_total else 0.0
+        """Everything charged (interception and verification of watched steps) over the
+        unguarded step time of the same steps, after warm-up."""
+        return self._charged_total / self._base_total if self._base_total else 0.0
 
     def coverage(self, window: int) -> float:
         """Share of known sites verified within the last ``window`` completed steps."""
@@ -284,10 +323,11 @@ class Budget:
     def state_dict(self) -> dict[str, Any]:
         return {
             "step": self.step, "steps_done": self._steps_done, "scale": self._scale,
-            "base_seconds": self._base_seconds, "credit": self._credit,
+            "base_seconds": self._base_seconds, "base_measured": self._base_measured,
+            "credit": self._credit,
             "cost": [[list(s), c] for s, c in self._cost.items()],
             "last": [[list(s), i] for s, i in self._last.items()],
-            "verify_total": self._verify_total, "base_total": self._base_total,
+            "charged_total": self._charged_total, "base_total": self._base_total,
             "completed": self._completed,
         }
 
@@ -296,10 +336,11 @@ class Budget:
         self._steps_done = int(state["steps_done"])
         self._scale = float(state["scale"])
         self._base_seconds = state["base_seconds"]
+        self._base_measured = bool(state.get("base_measured", False))
         self._credit = float(state["credit"])
         self._cost = {tuple(s): float(c) for s, c in state["cost"]}
         self._last = {tuple(s): int(i) for s, i in state["last"]}
-        self._verify_total = float(state["verify_total"])
+        self._charged_total = float(state.get("charged_total", state.get("verify_total", 0.0)))
         self._base_total = float(state["base_total"])
         self._completed = int(state["completed"])
 
