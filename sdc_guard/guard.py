@@ -287,7 +287,7 @@ class Guard:
         if not _verifiable(gemm):
             self.on_unverified(f"{gemm.op}[{kind[2]}]")
             return
-        site: SiteKey = (self._sites.site(), phase, gemm.op)
+        site: SiteKey = (self._sites.site(gemm.out, (gemm.a, gemm.b)), phase, gemm.op)
         self._ledger.sites_seen.add(site)
         if self._attempt == 0 and not self.sampler.should_verify(site):
             return

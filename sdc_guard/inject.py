@@ -184,14 +184,14 @@ class FaultInjector(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         packet = func.overloadpacket
         if packet in GEMM_HANDLERS and func is packet.default and isinstance(out, Tensor) and out.dtype in _INT_VIEW:
-            self._maybe_corrupt(str(packet).split(".")[-1], out)
+            self._maybe_corrupt(str(packet).split(".")[-1], out, args)
         return out
 
-    def _maybe_corrupt(self, op: str, out: Tensor) -> None:
+    def _maybe_corrupt(self, op: str, out: Tensor, args: tuple) -> None:
         step = current_step(self.model)
         if step != self._count_step:
             self._counts, self._count_step = {}, step
-        site, phase = self._sites.site(), current_phase()
+        site, phase = self._sites.site(out, tuple(a for a in args if isinstance(a, Tensor))), current_phase()
         for i, fault in enumerate(self.faults):
             key = id(fault)
             if key in self._spent or not _matches(fault, site, op, phase, step):

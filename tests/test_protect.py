@@ -133,6 +133,41 @@ def test_backward_gemm_fault_is_attributed_to_backward() -> None:
     assert (d.site, d.phase, d.op) == ("fc2", "backward", "mm")
 
 
+def _sites_by_phase(guard) -> dict[str, set[tuple[str, str]]]:
+    out: dict[str, set[tuple[str, str]]] = {"forward": set(), "backward": set()}
+    for site, phase, op in guard._ledger.sites_seen:
+        out[phase].add((site, op.replace("addmm", "mm")))
+    return out
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_every_backward_gemm_is_attributed_to_its_forward_module(checkpointed: bool) -> None:
+    """Backward GEMMs take the site of the forward op whose gradient they compute, also
+    when activation checkpointing recomputes the forward inside the backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    model = TinyGPT(layers=2)
+    if checkpointed:
+        model.blocks = torch.nn.ModuleList(Checkpointed(b) for b in model.blocks)
+    x, y = lm_batch(0)
+    with sdc_guard.protect(model) as guard:
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        sites = _sites_by_phase(guard)
+    prefix = "blocks.0.inner." if checkpointed else "blocks.0."
+    assert (prefix + "attn.qkv", "mm") in sites["forward"] and (prefix + "attn", "bmm") in sites["forward"]
+    assert sites["backward"] - {(s, op) for s, op in sites["forward"]} == set()
+    assert {s for s, _ in sites["forward"]} == {s for s, _ in sites["backward"]}  # every one, no "global"
+
+
 def test_inference_mode_verifies_every_linear() -> None:
     torch.manual_seed(0)
     model = TinyGPT()
@@ -325,11 +360,12 @@ def test_rotating_sampler_covers_every_site_in_each_window() -> None:
 def test_budget_sampler_meets_its_budget_on_a_real_training_loop() -> None:
     """Measured, not mocked: the guard's own timing of a real loop (a ratio, not a time).
 
-    The model is sized so that full verification costs less than the step (the budget's
-    coverage interval is about full overhead / budget steps)."""
+    Budget verifies in sweeps, one every (full overhead + interception) / budget steps; on
+    this small model interception alone is a large share of a step, so the budget is 10 %
+    to keep the sweeps well inside the 20-step coverage window in 45 steps."""
     torch.manual_seed(0)
     model = TinyGPT(vocab=256, d=256, heads=4, layers=2, ctx=64)
-    sampler = Budget(0.05)
+    sampler = Budget(0.1)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     reports = []
     with sdc_guard.protect(model, sampler=sampler) as guard:
@@ -340,13 +376,12 @@ def test_budget_sampler_meets_its_budget_on_a_real_training_loop() -> None:
             opt.zero_grad()
             reports.append(guard.step())
     assert reports[0].verified == reports[0].seen  # the first step measures every site
-    full_overhead = reports[0].overhead
     later = reports[5:]
     verify = sum(r.verify_seconds for r in later)
     base = sum(r.step_seconds - r.verify_seconds for r in later)
-    assert verify / base < 0.1, (verify / base, full_overhead)  # budget 0.05, noise allowed
+    assert verify / base < 0.2, verify / base  # budget 0.1, noise allowed
     assert sampler.coverage(window=20) == 1.0
-    assert 0 < sampler.achieved_overhead < 0.1  # everything it charged, interception included
+    assert 0 < sampler.achieved_overhead < 0.2  # everything it charged, interception included
     watched = [r for r in later if r.watched]
     assert watched and all(r.verified == r.seen > 0 for r in watched)  # sweeps verify every site
     assert all(r.seen == 0 and r.verified == 0 for r in later if not r.watched)  # no mode at all
