@@ -363,12 +363,26 @@ def vabft_check(
             none = torch.zeros(ok.shape, dtype=torch.bool, device=c.device)  # read-only, like every mask
             return AbftCheck(ok, none, none, diff, threshold)
     ok &= torch.isfinite(diff)
+    return explain_failures(ok, diff, threshold, k, mu, hi, lo, ws, alpha, c.dtype, bias_sum, bias_abs)
+
+
+def explain_failures(
+    ok: Tensor, diff: Tensor, threshold: Tensor, k: int, mu: Tensor, hi: Tensor, lo: Tensor,
+    ws: WeightSide, alpha: float, c_dtype: torch.dtype, bias_sum: Tensor | None = None,
+    bias_abs: Tensor | None = None,
+) -> AbftCheck:
+    """The ``AbftCheck`` of a check where some segment failed or something is non-finite:
+    the masks that say why a failed bit is not corruption (``inputs_bad``,
+    ``possible_overflow``), from A's row mean, max and min (``[..., M, 1]``), the weight
+    side and the bias sums. ``ok`` must already be ``D <= T`` and finite. Shared by every
+    backend that reports these statistics (the torch path above, ``sdc_guard.native``),
+    so that they classify non-finite inputs identically."""
     rows = _finish_rows(k, mu, hi, lo)
     inputs_bad = rows.bad.unsqueeze(-1) | ws.bad.unsqueeze(-2)
     bound = abs(alpha) * rows.norm.unsqueeze(-1) * ws.col_norm.unsqueeze(-2)
     if bias_sum is not None and bias_abs is not None:
         inputs_bad = inputs_bad | ~torch.isfinite(bias_sum)
         bound = bound + bias_abs
-    possible_overflow = ~torch.isfinite(diff) & ~inputs_bad & (bound >= overflow_limit(c.dtype))
+    possible_overflow = ~torch.isfinite(diff) & ~inputs_bad & (bound >= overflow_limit(c_dtype))
     shape = torch.broadcast_shapes(diff.shape, inputs_bad.shape)
     return AbftCheck(ok, inputs_bad.expand(shape), possible_overflow, diff, threshold)

@@ -1,7 +1,8 @@
 """Backend registry and dispatch: one entry point, the best implementation per call.
 
 Order of preference (VABFT.md, issue "Foundation"): the Ascend operator where it exists,
-the fused Triton kernel on CUDA, portable PyTorch everywhere. Each backend says whether
+the fused Triton kernel on CUDA, the native C kernels on CPU (when built), portable
+PyTorch everywhere. Each backend says whether
 this process can use it (``unavailable_reason``) and whether it accepts a given call
 (``rejects``); a call is served by an explicit ``backend=`` / ``SDC_GUARD_BACKEND``, else
 by the first backend that is available and accepts it. A call nobody can serve fails with
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .abft import AbftCheck, WeightSide, vabft_check
+from . import native
+from .abft import AbftCheck, WeightSide, vabft_check, weight_side
 
 ENV_BACKEND = "SDC_GUARD_BACKEND"
 
@@ -60,6 +62,11 @@ class Backend:
     def check(self, req: GemmRequest) -> AbftCheck:
         """Verify ``req``; must not write to any input nor synchronise with the host."""
         raise NotImplementedError
+
+    def encode(self, b: Tensor, checksum_weight: Tensor | None = None) -> WeightSide:
+        """The weight-side encoding of ``b`` that ``check`` reads fastest (``req.weight``);
+        any backend accepts any backend's encoding. Used by the weight cache on a miss."""
+        return weight_side(b, checksum_weight)
 
 
 class TorchBackend(Backend):
@@ -106,6 +113,33 @@ class TritonBackend(Backend):
         from .kernels import vabft_triton
 
         return vabft_triton.triton_check(req)
+
+
+class CpuBackend(Backend):
+    """Native C kernels for CPU tensors (``sdc_guard.native``, ``csrc/vabft_cpu.c``): one
+    call per verification where the torch path runs dozens of ops.
+
+    Available when the optional extension was built at install time. A call it does not
+    cover (``native.rejects``) falls to ``torch``; so does one that reaches ``check``
+    anyway (a caller that cached its choice of backend for a coarser key).
+    """
+
+    name = "cpu"
+
+    def unavailable_reason(self) -> str | None:
+        return native.unavailable_reason()
+
+    def rejects(self, req: GemmRequest) -> str | None:
+        return native.rejects(req)
+
+    def check(self, req: GemmRequest) -> AbftCheck:
+        got = native.native_check(req) if native.rejects(req) is None else None
+        if got is None:
+            return TorchBackend.check(self, req)  # type: ignore[arg-type]
+        return got
+
+    def encode(self, b: Tensor, checksum_weight: Tensor | None = None) -> WeightSide:
+        return native.native_weight_side(b, checksum_weight)
 
 
 _registry: list[Backend] = []
@@ -187,6 +221,7 @@ def _register_defaults() -> None:
 
     register(NpuBackend())
     register(TritonBackend())
+    register(CpuBackend())
     register(TorchBackend())
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -34,6 +34,8 @@ from torch import Tensor
 from .abft import WeightSide, weight_side
 
 CacheKey = tuple
+#: A weight-side encoder: ``abft.weight_side`` or a backend's ``encode``.
+Encoder = Callable[[Tensor], WeightSide]
 
 
 def cache_key(b: Tensor) -> CacheKey:
@@ -68,7 +70,7 @@ class WeightCache:
             raise ValueError(f"max_bytes: expected a non-negative int, got {max_bytes!r}")
         self.max_bytes = max_bytes
         self.stats = CacheStats()
-        self._entries: OrderedDict[CacheKey, tuple[Tensor, WeightSide]] = OrderedDict()
+        self._entries: OrderedDict[CacheKey, tuple[Tensor, WeightSide, Encoder]] = OrderedDict()
         self._bytes = 0
         self._storages: set[int] = set()
 
@@ -90,10 +92,15 @@ class WeightCache:
         """Whether ``b`` views a registered parameter's storage."""
         return b.untyped_storage().data_ptr() in self._storages
 
-    def get(self, b: Tensor, checksum_weight: Tensor | None = None) -> WeightSide | None:
-        """The encoding of ``b`` (computed on a miss), or ``None`` if ``b`` is not cacheable.
+    def get(self, b: Tensor, checksum_weight: Tensor | None = None, *,
+            encode: Encoder = weight_side) -> WeightSide | None:
+        """The encoding of ``b`` (computed by ``encode`` on a miss), or ``None`` if ``b`` is
+        not cacheable.
 
-        Custom checksum weights are not cached (the key would have to include them).
+        ``encode`` is the verifying backend's ``Backend.encode`` (every backend reads every
+        encoding; a backend's own is the fastest to compute); ``refresh`` re-encodes an
+        entry with the encoder that made it. Custom checksum weights are not cached (the
+        key would have to include them).
         """
         if checksum_weight is not None or not self.is_cacheable(b):
             self.stats.uncacheable += 1
@@ -109,8 +116,8 @@ class WeightCache:
         # b itself is kept (a detached alias may not share its version counter); the
         # encoding reads a no-grad alias, since b's base may since have been updated in place
         with torch.no_grad():
-            encoded = weight_side(b.detach())
-        self._entries[key] = (b, encoded)
+            encoded = encode(b.detach())
+        self._entries[key] = (b, encoded, encode)
         self._bytes += encoded.nbytes
         self._evict()
         return encoded
@@ -122,7 +129,7 @@ class WeightCache:
             self._drop(old)
 
     def _drop(self, key: CacheKey) -> None:
-        _, encoded = self._entries.pop(key)
+        _, encoded, _ = self._entries.pop(key)
         self._bytes -= encoded.nbytes
 
     def _evict(self) -> None:
@@ -137,9 +144,9 @@ class WeightCache:
         have missed and encoded anyway). Returns the number of views re-encoded.
         """
         refreshed = 0
-        for key, (view, _) in list(self._entries.items()):
+        for key, (view, _, encode) in list(self._entries.items()):
             if view._version != key[-1] and self.is_cacheable(view):
-                self.get(view)
+                self.get(view, encode=encode)
                 refreshed += 1
         return refreshed
 

@@ -313,7 +313,7 @@ class Guard:
         req = GemmRequest(gemm.a, gemm.b, gemm.out, e_max, bias=gemm.bias, alpha=gemm.alpha, beta=gemm.beta)
         backend = self._choose_backend(req)
         if backend.name != "npu":  # the operator re-reads B itself
-            weight = self.cache.get(gemm.b)
+            weight = self.cache.get(gemm.b, encode=backend.encode)
             if weight is not None:
                 req = dataclasses.replace(req, weight=weight)
         return summarize(backend.check(req))

@@ -22,6 +22,10 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).parent))
 
 import npu_standin  # noqa: E402
+from sdc_guard import native  # noqa: E402
+
+#: what serves a CPU call the operator does not take: the native kernels when built
+CPU_FALLBACK = "cpu" if native.available() else "torch"
 from npu_standin import NpuOperator, make_module  # noqa: E402
 
 from sdc_guard import backends  # noqa: E402
@@ -149,8 +153,8 @@ def test_probe_runs_once_is_cached_and_queryable(bridge: Bridge) -> None:
 
 
 @pytest.mark.parametrize("absent", [True, False], ids=["no-torch_npu", "stock-CANN"])
-def test_without_the_operator_torch_serves(install: Callable[..., Bridge], absent: bool) -> None:
-    """No ``torch_npu`` (or one without the symbol): unavailable, with a reason; torch runs."""
+def test_without_the_operator_the_cpu_path_serves(install: Callable[..., Bridge], absent: bool) -> None:
+    """No ``torch_npu`` (or one without the symbol): unavailable, with a reason; the CPU path runs."""
     bridge = install(None, absent=absent)
     result = bridge.backend.probe()
     assert not result.available and "torch_npu" in result.reason
@@ -158,7 +162,7 @@ def test_without_the_operator_torch_serves(install: Callable[..., Bridge], absen
     assert "npu" not in backends.available()
     a, b, c = gemm(13, 32, 300)
     verdict = verify_matmul(a, b, c)
-    assert verdict.backend == "torch" and verdict.ok
+    assert verdict.backend == CPU_FALLBACK and verdict.ok
 
 
 def test_probe_failure_makes_the_backend_unavailable_with_the_reason(
@@ -169,7 +173,7 @@ def test_probe_failure_makes_the_backend_unavailable_with_the_reason(
     reason = backends.status()["npu"]
     assert reason is not None and "RuntimeError" in reason and FAILURE in reason
     for seed in range(2):
-        assert verify_matmul(*gemm(13, 32, 300, seed=seed)).backend == "torch"
+        assert verify_matmul(*gemm(13, 32, 300, seed=seed)).backend == CPU_FALLBACK
     assert len(bridge.op.calls) == 1
 
 
@@ -186,7 +190,7 @@ def test_probe_flagging_a_correct_product_makes_the_backend_unavailable(
     setattr(sys.modules["torch_npu"], npu_standin.OP_NAME, says_all_wrong)
     result = bridge.backend.probe()
     assert not result.available and "flagged" in result.reason
-    assert verify_matmul(*gemm(13, 32, 300)).backend == "torch"
+    assert verify_matmul(*gemm(13, 32, 300)).backend == CPU_FALLBACK
 
 
 def test_reset_probe_reprobes(bridge: Bridge, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -309,11 +313,11 @@ def _rejected_inputs() -> dict[str, tuple[tuple[Tensor, ...], dict[str, object],
 
 
 @pytest.mark.parametrize("case", list(_rejected_inputs()))
-def test_inputs_outside_the_contract_fall_back_to_torch(bridge: Bridge, case: str) -> None:
-    """3-D, bias, alpha != 1 and fp16 are served by torch, and never reach the operator."""
+def test_inputs_outside_the_contract_fall_back_to_the_cpu_path(bridge: Bridge, case: str) -> None:
+    """3-D, bias, alpha != 1 and fp16 are served on the CPU, and never reach the operator."""
     args, kw, _ = _rejected_inputs()[case]
     verdict = verify_matmul(*args, **kw)
-    assert verdict.backend == "torch" and verdict.ok
+    assert verdict.backend == CPU_FALLBACK and verdict.ok
     assert bridge.op.real_calls() == []
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import sdc_guard
-from sdc_guard import legacy
+from sdc_guard import legacy, native
 from sdc_guard.abft import decode_comp_row, encode_comp_row, vabft_check
 from sdc_guard.precision import default_e_max, set_default_e_max
 
@@ -359,4 +359,6 @@ def test_selftest_command() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert "backend torch   available" in out.stdout
     assert "PASS torch   bfloat16" in out.stdout and "PASS torch   float32" in out.stdout
-    assert "3 passed, 0 failed" in out.stdout
+    if native.available():  # the native kernels are checked beside torch
+        assert "backend cpu     available" in out.stdout and "PASS cpu     float32" in out.stdout
+    assert f"{6 if native.available() else 3} passed, 0 failed" in out.stdout

@@ -1,0 +1,34 @@
+"""Build of the optional native CPU backend (``sdc_guard._vabft_cpu``, ``csrc/vabft_cpu.c``).
+
+Everything else about the package is in ``pyproject.toml``. The extension is plain C (it
+needs neither torch nor numpy to build, so pip's isolated build environment stays small)
+and ``optional``: without a C compiler the install still succeeds and ``sdc_guard`` uses
+its portable torch path (``sdc_guard.native.unavailable_reason()`` says why).
+
+It is compiled with ``-march=native``: built on the machine that runs it, as an editable
+or source install is. For a wheel meant for other machines set
+``SDC_GUARD_NATIVE_CFLAGS`` (say ``-O3 -march=x86-64-v3``). The flags never include
+``-ffast-math``: NaN / Inf must keep IEEE semantics for the non-finite classification,
+and ``-ffp-contract=off`` keeps every row's arithmetic identical across code paths
+(batch invariance).
+"""
+
+import os
+import shlex
+
+from setuptools import Extension, setup
+
+_DEFAULT_FLAGS = "-O3 -march=native"
+_FIXED_FLAGS = ["-std=gnu11", "-ffp-contract=off", "-fno-math-errno", "-pthread"]
+
+setup(
+    ext_modules=[
+        Extension(
+            "sdc_guard._vabft_cpu",
+            sources=["csrc/vabft_cpu.c"],
+            extra_compile_args=shlex.split(os.environ.get("SDC_GUARD_NATIVE_CFLAGS", _DEFAULT_FLAGS)) + _FIXED_FLAGS,
+            extra_link_args=["-pthread"],
+            optional=True,
+        )
+    ]
+)

@@ -1,0 +1,366 @@
+"""The native ``cpu`` backend (``sdc_guard.native``, ``csrc/vabft_cpu.c``) against the torch reference.
+
+Agreement is the Triton kernel's contract (``kernels/vabft_triton.py``): identical verdict
+bits, T within ``THRESHOLD_RTOL`` relative, D within ``DIFF_TOL_OF_T * max(T, D)``. Then
+what only a native kernel can get wrong: batch invariance bit for bit, thread-count
+invariance, inputs left untouched, and the classification of non-finite values.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+from sdc_guard import backends, native, verify
+from sdc_guard.abft import AbftCheck, weight_side
+from sdc_guard.backends import CpuBackend, GemmRequest, TorchBackend
+from sdc_guard.cache import WeightCache
+from sdc_guard.precision import DEFAULT_E_MAX
+
+THRESHOLD_RTOL = 1e-4
+DIFF_TOL_OF_T = 5e-2
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CPU = CpuBackend()
+TORCH = TorchBackend()
+
+
+def test_extension_built_in_ci() -> None:
+    """CI must exercise the native kernels: a build that silently fell back fails here."""
+    if os.environ.get("CI") and not native.available():
+        pytest.fail(f"native extension unavailable in CI: {native.unavailable_reason()}")
+    if not native.available():
+        pytest.skip(native.unavailable_reason() or "native extension unavailable")
+
+
+needs_native = pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))
+
+
+def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The matmul as the hardware computes it: fp16 / bf16 GEMMs accumulate in fp32."""
+    if a.dtype != torch.float32:
+        return torch.matmul(a.float(), b.float()).to(a.dtype)
+    return torch.matmul(a, b)
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def request(a, b, c, **kw) -> GemmRequest:
+    kw.setdefault("e_max", DEFAULT_E_MAX[a.dtype])
+    return GemmRequest(a, b, c, **kw)
+
+
+def assert_agrees(req: GemmRequest) -> tuple[AbftCheck, AbftCheck]:
+    assert CPU.rejects(req) is None, CPU.rejects(req)
+    got = native.native_check(req)
+    assert got is not None
+    want = TORCH.check(req)
+    for field in ("ok", "inputs_bad", "possible_overflow"):
+        g, w = getattr(got, field), getattr(want, field)
+        assert g.dtype == torch.bool and g.shape == w.shape, (field, g.shape, w.shape)
+        assert torch.equal(g, w), f"{field} differs:\n{g}\n{w}"
+    judged = torch.isfinite(want.threshold) & torch.isfinite(want.diff)
+    assert torch.equal(judged, torch.isfinite(got.threshold) & torch.isfinite(got.diff))
+    torch.testing.assert_close(got.threshold[judged], want.threshold[judged], rtol=THRESHOLD_RTOL, atol=0)
+    d_want = want.diff[judged]
+    scale = torch.maximum(want.threshold[judged], d_want)
+    err = (got.diff[judged] - d_want).abs()
+    assert bool((err <= DIFF_TOL_OF_T * scale).all()), float((err / scale).max())
+    return got, want
+
+
+def layout(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The same values in another memory layout."""
+    if kind == "row":
+        return x.contiguous()
+    if kind == "col":
+        return x.t().contiguous().t()
+    if kind == "strided":  # neither stride is 1
+        big = torch.zeros(x.shape[0] * 2, x.shape[1] * 3, dtype=x.dtype)
+        view = big[::2, ::3]
+        view.copy_(x)
+        return view
+    raise ValueError(kind)
+
+
+# --- agreement on clean products ------------------------------------------------------
+
+@needs_native
+@pytest.mark.parametrize("b_layout", ["row", "col", "strided"])
+@pytest.mark.parametrize("a_layout", ["row", "col", "strided"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layouts_agree(dtype: torch.dtype, a_layout: str, b_layout: str) -> None:
+    m, k, n = 21, 70, 300
+    a, b = randn(m, k, dtype=dtype, seed=1), randn(k, n, dtype=dtype, seed=2)
+    c = product(a, b)
+    got, _ = assert_agrees(request(layout(a, a_layout), layout(b, b_layout), c))
+    assert bool(got.ok.all())
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(1, 70, 300), (1, 4096, 512), (7, 8, 256), (16, 3, 513), (33, 1000, 257),
+                                   (64, 256, 1024), (5, 1, 40)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_shapes_agree(dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
+    """M = 1, K small and large, N not a multiple of 256, K = 1."""
+    m, k, n = shape
+    a, b = randn(m, k, dtype=dtype, seed=3), randn(k, n, dtype=dtype, seed=4)
+    for bb in (b, layout(b, "col")):
+        got, _ = assert_agrees(request(a, bb, product(a, bb)))
+        assert got.ok.shape == (m, -(-n // 256)) and bool(got.ok.all())
+
+
+@needs_native
+def test_column_major_c() -> None:
+    a, b = randn(20, 64, seed=5), randn(64, 300, seed=6)
+    c = layout(a @ b, "col")
+    got, _ = assert_agrees(request(a, b, c))
+    assert bool(got.ok.all())
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_batched_agrees(dtype: torch.dtype) -> None:
+    a, b = randn(3, 13, 70, dtype=dtype, seed=7), randn(3, 70, 300, dtype=dtype, seed=8)
+    got, _ = assert_agrees(request(a, b, product(a, b)))
+    assert got.ok.shape == (3, 13, 2) and bool(got.ok.all())
+    # attention-like: a transposed batched B
+    kt = randn(3, 300, 70, dtype=dtype, seed=9).mT
+    assert_agrees(request(a, kt, product(a, kt)))
+
+
+@needs_native
+def test_broadcast_weight_and_two_batch_dims() -> None:
+    a, w = randn(2, 20, 70, dtype=torch.bfloat16, seed=10), randn(300, 70, dtype=torch.bfloat16, seed=11)
+    got, _ = assert_agrees(request(a, w.t(), product(a, w.t())))
+    assert bool(got.ok.all())
+    a4, b4 = randn(3, 1, 13, 70, seed=12), randn(1, 2, 70, 300, seed=13)
+    got, _ = assert_agrees(request(a4, b4, a4 @ b4))
+    assert got.ok.shape == (3, 2, 13, 2) and bool(got.ok.all())
+    # with a cached, batched weight side
+    req = request(a4, b4, a4 @ b4)
+    assert_agrees(replace(req, weight=native.native_weight_side(b4)))
+
+
+@needs_native
+@pytest.mark.parametrize("bias_shape", [(300,), (20, 1), (20, 300), ()], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bias_alpha_beta(dtype: torch.dtype, bias_shape: tuple[int, ...]) -> None:
+    a, b = randn(20, 70, dtype=dtype, seed=14), randn(70, 300, dtype=dtype, seed=15)
+    bias = (randn(*bias_shape, seed=16) + 2.0).to(dtype)
+    c = torch.addmm(bias.expand(20, 300).float(), a.float(), b.float(), alpha=0.5, beta=-2.0).to(dtype)
+    got, _ = assert_agrees(request(a, b, c, bias=bias, alpha=0.5, beta=-2.0))
+    assert bool(got.ok.all())
+
+
+@needs_native
+def test_checksum_weight() -> None:
+    a, b = randn(20, 70, seed=17), randn(70, 300, seed=18)
+    r = randn(300, seed=19).abs() + 0.5
+    got, _ = assert_agrees(request(a, b, a @ b, checksum_weight=r))
+    assert bool(got.ok.all())
+    got, _ = assert_agrees(request(a, layout(b, "col"), a @ b, checksum_weight=r, bias=randn(300, seed=20)))
+
+
+@needs_native
+@pytest.mark.parametrize("b_layout", ["row", "col", "strided"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_weight_side_matches(dtype: torch.dtype, b_layout: str) -> None:
+    b = layout(randn(70, 600, dtype=dtype, seed=21) + 0.3, b_layout)
+    got, want = native.native_weight_side(b), weight_side(b)
+    assert got.br.shape == want.br.shape and got.br.stride(-2) == 1
+    torch.testing.assert_close(got.br, want.br, rtol=1e-5, atol=1e-5)
+    for field in ("p1", "p2", "v", "col_norm"):
+        torch.testing.assert_close(getattr(got, field), getattr(want, field), rtol=1e-5, atol=0)
+    assert torch.equal(got.bad, want.bad)
+    for g, w in zip(got._factors[:4], want._factors[:4]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=0)
+    assert got._factors[4] == want._factors[4]
+
+
+# --- zero false positives, detection --------------------------------------------------
+
+@needs_native
+@pytest.mark.parametrize("dist", ["gaussian", "uniform", "mean_shifted"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_no_false_positives(dtype: torch.dtype, dist: str) -> None:
+    g = torch.Generator().manual_seed(22)
+    for m, k, n in ((64, 512, 1024), (128, 64, 300)):
+        if dist == "gaussian":
+            a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+        elif dist == "uniform":
+            a, b = torch.rand(m, k, generator=g), torch.rand(k, n, generator=g)
+        else:
+            a, b = torch.randn(m, k, generator=g) + 3.0, torch.randn(k, n, generator=g) + 3.0
+        a, b = a.to(dtype), b.to(dtype)
+        for bb in (b, layout(b, "col")):
+            v = verify.verify_matmul(a, bb, product(a, bb), backend="cpu")
+            assert v.backend == "cpu" and v.kind == "ok", (v.kind, v.ratio)
+            assert v.ratio < 0.5
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_detects_injected_error(dtype: torch.dtype) -> None:
+    a, b = randn(40, 128, dtype=dtype, seed=23), randn(128, 600, dtype=dtype, seed=24)
+    c = product(a, b)
+    bad = c.clone()
+    bad[17, 300] = bad[17, 300].float() + 1e3 * c.float().abs().mean()
+    for bb in (b, layout(b, "col")):
+        v = verify.verify_matmul(a, bb, bad, backend="cpu")
+        assert v.kind == "sdc" and v.rows == [17]
+        expected = torch.zeros_like(v.flags)
+        expected[17, 1] = True
+        assert torch.equal(v.flags, expected)
+
+
+# --- non-finite values: classified like the torch backend -----------------------------
+
+def _verdicts(a, b, c, **kw) -> tuple[verify.Verdict, verify.Verdict]:
+    return (verify.verify_matmul(a, b, c, backend="cpu", **kw), verify.verify_matmul(a, b, c, backend="torch", **kw))
+
+
+def _same_verdict(got: verify.Verdict, want: verify.Verdict) -> None:
+    assert got.kind == want.kind, (got.kind, want.kind)
+    for field in ("flags", "overflow", "unverifiable"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+
+
+@needs_native
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=str)
+@pytest.mark.parametrize("where", ["a", "b", "c", "b_col"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nonfinite_classified_like_torch(dtype: torch.dtype, where: str, value: float) -> None:
+    a, b = randn(20, 70, dtype=dtype, seed=25), randn(70, 600, dtype=dtype, seed=26)
+    c = product(a, b)
+    if where == "a":
+        a = a.clone()
+        a[3, 5] = value
+    elif where in ("b", "b_col"):
+        b = b.clone()
+        b[5, 400] = value
+        c = product(a, b)
+        if where == "b_col":
+            b = layout(b, "col")
+    else:
+        c = c.clone()
+        c[3, 5] = value
+    got, want = _verdicts(a, b, c)
+    _same_verdict(got, want)
+    assert got.kind == ("sdc" if where == "c" else "unverifiable")
+    req = request(a, b, c)
+    assert_agrees(req)
+
+
+@needs_native
+def test_fp16_overflow_classified_like_torch() -> None:
+    a = torch.full((4, 64), 60.0, dtype=torch.float16)
+    b = torch.full((64, 300), 40.0, dtype=torch.float16)  # 64 * 2400 > 65504: a legitimate overflow
+    c = product(a, b)
+    assert not bool(torch.isfinite(c).all())
+    got, want = _verdicts(a, b, c)
+    _same_verdict(got, want)
+    assert got.kind == "overflow"
+    assert_agrees(request(a, b, c))
+
+
+# --- invariances ----------------------------------------------------------------------
+
+@needs_native
+@pytest.mark.parametrize("a_layout", ["row", "col"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_batch_invariance(dtype: torch.dtype, a_layout: str) -> None:
+    """Each row's D and T are bit-identical whatever the other rows (M = 2..37)."""
+    a = layout(randn(37, 300, dtype=dtype, seed=27), a_layout)
+    b = randn(300, 520, dtype=dtype, seed=28)
+    c = product(a, b)
+    ws = native.native_weight_side(b)
+    full = native.native_check(request(a, b, c, weight=ws))
+    for m in (2, 3, 5, 16, 17, 20, 33):
+        part = native.native_check(request(a[:m], b, c[:m], weight=ws))
+        assert torch.equal(part.diff, full.diff[:m]) and torch.equal(part.threshold, full.threshold[:m]), m
+        assert torch.equal(part.ok, full.ok[:m])
+    # rows at an offset: their own block boundaries move, their values do not
+    tail = native.native_check(request(a[5:], b, c[5:], weight=ws))
+    assert torch.equal(tail.diff, full.diff[5:]) and torch.equal(tail.threshold, full.threshold[5:])
+    if a_layout == "row":  # a single row through the same path
+        one = native.native_check(request(a[9:10], b, c[9:10], weight=ws))
+        assert torch.equal(one.diff, full.diff[9:10]) and torch.equal(one.threshold, full.threshold[9:10])
+
+
+@needs_native
+def test_threads_do_not_change_bits() -> None:
+    """Work above the threading threshold: split over threads, the same bits as one thread."""
+    a, w = randn(300, 2048, seed=29), randn(2048, 2048, seed=30)
+    c = a @ w.t()
+    req = request(a, w.t(), c, weight=native.native_weight_side(w.t()))
+    one, many = native.native_check(req, threads=1), native.native_check(req, threads=3)
+    assert torch.equal(one.diff, many.diff) and torch.equal(one.threshold, many.threshold)
+    assert torch.equal(one.ok, many.ok) and bool(one.ok.all())
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        ws1 = native.native_weight_side(w.t())
+        torch.set_num_threads(2)
+        ws2 = native.native_weight_side(w.t())
+    finally:
+        torch.set_num_threads(old)
+    for f in ("br", "p1", "p2", "v", "col_norm", "bad"):
+        assert torch.equal(getattr(ws1, f), getattr(ws2, f)), f
+
+
+@needs_native
+def test_inputs_never_modified() -> None:
+    a, b = randn(20, 70, dtype=torch.bfloat16, seed=31), randn(70, 300, dtype=torch.bfloat16, seed=32)
+    bias, r = randn(300, seed=33), randn(300, seed=34)
+    c = product(a, b)
+    c[2, 3] = float("nan")
+    before = [t.clone() for t in (a, b, c, bias, r)]
+    ws = native.native_weight_side(b, r)
+    native.native_check(request(a, b, c, bias=bias, checksum_weight=r, weight=ws))
+    native.native_check(request(a, layout(b, "col"), c, bias=bias))
+    for t, old in zip((a, b, c, bias, r), before):
+        assert torch.equal(t, old) or (torch.isnan(t) == torch.isnan(old)).all()
+        assert torch.equal(torch.nan_to_num(t), torch.nan_to_num(old))
+
+
+# --- dispatch and cache ---------------------------------------------------------------
+
+@needs_native
+def test_dispatch_prefers_cpu_and_env_forces_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = randn(4, 64, seed=35), randn(64, 300, seed=36)
+    req = verify.make_request(a, b, a @ b)
+    monkeypatch.delenv(backends.ENV_BACKEND, raising=False)
+    assert backends.select(req).name == "cpu"
+    assert verify.verify_matmul(a, b, a @ b).backend == "cpu"
+    monkeypatch.setenv(backends.ENV_BACKEND, "torch")
+    assert backends.select(req).name == "torch"
+    assert verify.verify_matmul(a, b, a @ b).backend == "torch"
+    # what the kernels do not cover falls to torch, with a reason
+    assert "dtype" in (CPU.rejects(GemmRequest(a.double(), b.double(), (a @ b).double(), 1e-5)) or "")
+
+
+@needs_native
+def test_cache_uses_and_refreshes_with_encoder() -> None:
+    w = torch.nn.Parameter(randn(300, 64, seed=37))
+    cache = WeightCache(max_bytes=1 << 20)
+    cache.set_parameters([w])
+    calls: list[int] = []
+
+    def encode(b: torch.Tensor):
+        calls.append(1)
+        return CPU.encode(b)
+
+    ws = cache.get(w.t(), encode=encode)
+    assert ws is not None and len(calls) == 1 and "_native" not in ws.__dict__
+    assert cache.get(w.t(), encode=encode) is ws and len(calls) == 1
+    with torch.no_grad():
+        w.mul_(2.0)
+    assert cache.refresh() == 1 and len(calls) == 2
+    a = randn(8, 64, seed=38)
+    fresh = cache.get(w.t())
+    assert_agrees(request(a, w.detach().t(), a @ w.detach().t(), weight=fresh))
