@@ -253,7 +253,9 @@ class AbftCheck:
     failed bit is not corruption: ``inputs_bad`` (a non-finite A row, B segment or bias:
     unverifiable) and ``possible_overflow`` (finite inputs, non-finite result, magnitudes
     large enough for a legitimate overflow). ``diff`` and ``threshold`` are ``None`` for
-    backends that only return bits (the NPU operator).
+    backends that only return bits (the NPU operator). ``clear``: known on the host
+    without a synchronisation (CPU backends) that every segment passed with D and T
+    finite, so the masks are all False and a summary need not reduce them.
     """
 
     ok: Tensor
@@ -261,6 +263,7 @@ class AbftCheck:
     possible_overflow: Tensor
     diff: Tensor | None = None
     threshold: Tensor | None = None
+    clear: bool = False
 
     @property
     def sdc(self) -> Tensor:
@@ -361,7 +364,7 @@ def vabft_check(
         lowest, highest = torch.aminmax(threshold - diff)
         if float(lowest) >= 0.0 and math.isfinite(float(highest)):
             none = torch.zeros(ok.shape, dtype=torch.bool, device=c.device)  # read-only, like every mask
-            return AbftCheck(ok, none, none, diff, threshold)
+            return AbftCheck(ok, none, none, diff, threshold, clear=True)
     ok &= torch.isfinite(diff)
     return explain_failures(ok, diff, threshold, k, mu, hi, lo, ws, alpha, c.dtype, bias_sum, bias_abs)
 

@@ -208,19 +208,28 @@ class GemmInterceptor(TorchDispatchMode):
     def __init__(self, sink: GemmSink) -> None:
         super().__init__()
         self.sink = sink
+        # Looked up by the overload's id: OpOverload and OpOverloadPacket hash in Python,
+        # and this lookup runs for every aten op of the model (built per activation, so
+        # a handler added to GEMM_HANDLERS since is seen).
+        self._handlers = {id(packet.default): handler for packet, handler in GEMM_HANDLERS.items()}
+        self._unverified = {
+            id(getattr(packet, name))
+            for packet in (*GEMM_HANDLERS, *UNVERIFIED_GEMM_OPS)
+            for name in packet.overloads()
+            if id(getattr(packet, name)) not in self._handlers
+        }
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        packet = func.overloadpacket
-        handler = GEMM_HANDLERS.get(packet)
+        key = id(func)
+        handler = self._handlers.get(key)
         if handler is not None:
-            if func is packet.default:
-                gemm = handler(args, kwargs, out)
-                if gemm is not None:
-                    self.sink.on_gemm(gemm)
-                    return out
-            self.sink.on_unverified(str(packet))
-        elif packet in UNVERIFIED_GEMM_OPS:
-            self.sink.on_unverified(str(packet))
+            gemm = handler(args, kwargs, out)
+            if gemm is not None:
+                self.sink.on_gemm(gemm)
+                return out
+            self.sink.on_unverified(str(func.overloadpacket))
+        elif key in self._unverified:
+            self.sink.on_unverified(str(func.overloadpacket))
         return out

@@ -362,3 +362,25 @@ def test_selftest_command() -> None:
     if native.available():  # the native kernels are checked beside torch
         assert "backend cpu     available" in out.stdout and "PASS cpu     float32" in out.stdout
     assert f"{6 if native.available() else 3} passed, 0 failed" in out.stdout
+
+
+def test_summary_of_a_clear_check_matches_the_full_reduction() -> None:
+    """The shortcut for a check that passed everywhere reports what the reduction would."""
+    import dataclasses
+
+    from sdc_guard.ledger import summarize
+
+    torch.manual_seed(0)
+    a, b = torch.randn(37, 64), torch.randn(64, 600)
+    check = vabft_check(a, b, a @ b, e_max=2e-5)
+    assert check.clear
+    fast_sdc, fast = summarize(check)
+    slow_sdc, slow = summarize(dataclasses.replace(check, clear=False))
+    assert torch.equal(fast_sdc, slow_sdc) and not fast_sdc.any()
+    assert fast.tolist() == slow.tolist() and 0 < fast[1] < 1
+    c = a @ b
+    c[3, 300] += 1e3
+    dirty = vabft_check(a, b, c, e_max=2e-5)
+    assert not dirty.clear
+    sdc, summary = summarize(dirty)
+    assert summary[0] == 1 and summary[1] > 1 and sdc.nonzero().tolist() == [[3, 1]]
