@@ -21,7 +21,13 @@
  * round it the same way.
  *
  * Threads: plain pthreads created per call, only when the work is large (PAR_MIN
- * elements); no OpenMP, whose idle workers would spin beside torch's own pool.
+ * elements, 16 Mi: below that a call is well under a few ms and a second thread would
+ * fight torch's spinning OpenMP workers for the cores); no OpenMP, whose idle workers
+ * would spin beside torch's own pool.
+ *
+ * Memory order: column-major operands are read as few long sequential streams (128 rows
+ * of a column-major A per k; 16 columns of a column-major B, 64 k at a time), never as
+ * hundreds of short strided runs.
  *
  * NaN semantics follow torch: max / min of a run that holds a NaN is NaN (a rare path
  * rescans a run whose sum is NaN), so the Python side can build inputs_bad /
@@ -32,6 +38,9 @@
 
 #include <math.h>
 #include <pthread.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,9 +49,18 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
 #define SEG 256          /* columns per checksum segment */
 #define KC 256           /* K per block of A (a multiple of 64) */
-#define RB 16            /* rows per work item of the check */
+#define RB 16            /* rows per work item of the check (row-major A) */
+#define RBC 128          /* rows per work item of the check, column-major A (<= RBMAX) */
+#define KCC 32           /* K per block of a column-major A (a multiple of 16) */
+#define RBMAX 128
+_Static_assert(KCC * RBC <= KC * RB && RBC <= RBMAX && RBC % 16 == 0 && KCC % 16 == 0, "column-major block fits abuf");
+#define KCW 1024        /* K per work item of a column-major weight side (a multiple of 16) */
 #define KB 64            /* K rows per work item of a row-major weight side */
-#define PAR_MIN (1 << 20) /* elements read below which a call runs on one thread */
+/* Elements read below which a call runs on one thread. A thread started right after a
+ * torch op competes with torch's OpenMP workers, which spin (libgomp) for a while before
+ * they sleep: on a small machine that costs more than the split saves unless the call
+ * runs for milliseconds. A negative thread count forces the split (tests). */
+#define PAR_MIN (1 << 24)
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -140,14 +158,23 @@ static inline v16 splat(float x) {
     v16 v = {0};
     return v + x;
 }
-/* a > b ? a : b, lane-wise: a NaN in a is ignored (see the NaN rescans) */
+/* a > b ? a : b, lane-wise: a NaN in a is ignored (see the NaN rescans). This is exactly
+ * x86's maxps / minps (the second operand when unordered or both zero). */
 static inline v16 vmax(v16 a, v16 b) {
+#ifdef __AVX512F__
+    return (v16)_mm512_max_ps((__m512)a, (__m512)b);
+#else
     v16i m = a > b;
     return (v16)((m & (v16i)a) | (~m & (v16i)b));
+#endif
 }
 static inline v16 vmin(v16 a, v16 b) {
+#ifdef __AVX512F__
+    return (v16)_mm512_min_ps((__m512)a, (__m512)b);
+#else
     v16i m = a < b;
     return (v16)((m & (v16i)a) | (~m & (v16i)b));
+#endif
 }
 static inline v16 vabs(v16 a) { return (v16)((v16i)a & 0x7fffffff); }
 
@@ -460,53 +487,84 @@ static int ws_rows(void *vctx, int64_t i0, int64_t i1) {
 }
 
 /* Column-major B (W.t()): a segment is 256 contiguous runs along K; lanes run along K and
- * each k sums its 256 values in index order, 16 at a time then into the total. */
+ * each k sums its 256 values in index order, 16 at a time then into the total. The 16
+ * columns of a chunk are read together, 64 k at a time (16 sequential streams), with the
+ * partial sums, max and min of those k in registers. */
 static int ws_cols(void *vctx, int64_t i0, int64_t i1) {
     ws_ctx *c = (ws_ctx *)vctx;
-    float *mem = (float *)aligned_alloc(64, 5 * KC * sizeof(float));
+    float *mem = (float *)aligned_alloc(64, 3 * KCW * sizeof(float));
     if (!mem) return -1;
-    float *x = mem, *tot = mem + KC, *part = mem + 2 * KC, *hi = mem + 3 * KC, *lo = mem + 4 * KC;
-    int64_t kblocks = (c->k + KC - 1) / KC;
+    float *tot = mem, *hi = mem + KCW, *lo = mem + 2 * KCW;
+    int64_t kblocks = (c->k + KCW - 1) / KCW, esz = ESZ[c->dt];
     for (int64_t it = i0; it < i1; it++) {
         int64_t bi = it / c->items_per_batch, rem = it % c->items_per_batch;
-        int64_t s = rem / kblocks, k0 = (rem % kblocks) * KC;
-        int64_t kc = c->k - k0 < KC ? c->k - k0 : KC, w = seg_width(c->n, s);
-        for (int64_t q = 0; q < kc; q++) {
+        int64_t s = rem / kblocks, k0 = (rem % kblocks) * KCW;
+        int64_t kc = c->k - k0 < KCW ? c->k - k0 : KCW, w = seg_width(c->n, s);
+        for (int64_t q = 0; q < KCW; q++) {
             tot[q] = 0.0f;
             hi[q] = -INFINITY;
             lo[q] = INFINITY;
         }
-        const char *base = c->b + (bi * c->sbb + k0 * c->sbk + s * SEG * c->sbn) * ESZ[c->dt];
+        const char *base = c->b + (bi * c->sbb + k0 * c->sbk + s * SEG * c->sbn) * esz;
+        const float *rs = c->r ? c->r + s * SEG : NULL;
         for (int64_t j0 = 0; j0 < w; j0 += 16) {
             int64_t j1 = j0 + 16 < w ? j0 + 16 : w;
-            for (int64_t q = 0; q < kc; q++) part[q] = 0.0f;
-            for (int64_t j = j0; j < j1; j++) {
-                const char *p = base + j * c->sbn * ESZ[c->dt];
-                const float *v;
-                if (c->dt == DT_F32 && c->sbk == 1) {
-                    v = (const float *)p;
-                } else {
-                    cvt(p, c->dt, c->sbk, kc, x);
-                    v = x;
-                }
-                if (c->r) {
-                    float rj = c->r[s * SEG + j];
-                    for (int64_t q = 0; q < kc; q++) {
-                        float y = v[q] * rj;
-                        part[q] += y;
-                        hi[q] = y > hi[q] ? y : hi[q];
-                        lo[q] = y < lo[q] ? y : lo[q];
+            int64_t q0 = 0;
+            for (; q0 + 64 <= kc; q0 += 64) {
+                v16 p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
+                v16 h0 = vld(hi + q0), h1 = vld(hi + q0 + 16), h2 = vld(hi + q0 + 32), h3 = vld(hi + q0 + 48);
+                v16 l0 = vld(lo + q0), l1 = vld(lo + q0 + 16), l2 = vld(lo + q0 + 32), l3 = vld(lo + q0 + 48);
+                for (int64_t j = j0; j < j1; j++) {
+                    const char *p = base + (j * c->sbn + q0) * esz;
+                    v16 v0 = load16(p, c->dt, 16), v1 = load16(p + 16 * esz, c->dt, 16);
+                    v16 v2 = load16(p + 32 * esz, c->dt, 16), v3 = load16(p + 48 * esz, c->dt, 16);
+                    if (rs) {
+                        v16 rj = splat(rs[j]);
+                        v0 = v0 * rj;
+                        v1 = v1 * rj;
+                        v2 = v2 * rj;
+                        v3 = v3 * rj;
                     }
-                } else {
-                    for (int64_t q = 0; q < kc; q++) {
-                        float y = v[q];
-                        part[q] += y;
-                        hi[q] = y > hi[q] ? y : hi[q];
-                        lo[q] = y < lo[q] ? y : lo[q];
-                    }
+                    p0 += v0;
+                    p1 += v1;
+                    p2 += v2;
+                    p3 += v3;
+                    h0 = vmax(v0, h0);
+                    h1 = vmax(v1, h1);
+                    h2 = vmax(v2, h2);
+                    h3 = vmax(v3, h3);
+                    l0 = vmin(v0, l0);
+                    l1 = vmin(v1, l1);
+                    l2 = vmin(v2, l2);
+                    l3 = vmin(v3, l3);
                 }
+                vst(tot + q0, vld(tot + q0) + p0);
+                vst(tot + q0 + 16, vld(tot + q0 + 16) + p1);
+                vst(tot + q0 + 32, vld(tot + q0 + 32) + p2);
+                vst(tot + q0 + 48, vld(tot + q0 + 48) + p3);
+                vst(hi + q0, h0);
+                vst(hi + q0 + 16, h1);
+                vst(hi + q0 + 32, h2);
+                vst(hi + q0 + 48, h3);
+                vst(lo + q0, l0);
+                vst(lo + q0 + 16, l1);
+                vst(lo + q0 + 32, l2);
+                vst(lo + q0 + 48, l3);
             }
-            for (int64_t q = 0; q < kc; q++) tot[q] += part[q];
+            for (; q0 < kc; q0 += 16) {
+                int64_t n = kc - q0 < 16 ? kc - q0 : 16;
+                v16 p0 = {0}, h0 = vld(hi + q0), l0 = vld(lo + q0);
+                for (int64_t j = j0; j < j1; j++) {
+                    v16 v0 = load16(base + (j * c->sbn + q0) * esz, c->dt, n);
+                    if (rs) v0 = v0 * splat(rs[j]);
+                    p0 += v0;
+                    h0 = vmax(v0, h0);
+                    l0 = vmin(v0, l0);
+                }
+                vst(tot + q0, vld(tot + q0) + p0);
+                vst(hi + q0, h0);
+                vst(lo + q0, l0);
+            }
         }
         float *obr = c->br + (bi * c->nseg + s) * c->k + k0;
         float *ohi = c->hi + (bi * c->nseg + s) * c->k + k0;
@@ -515,7 +573,7 @@ static int ws_cols(void *vctx, int64_t i0, int64_t i1) {
             obr[q] = tot[q];
             ohi[q] = hi[q];
             olo[q] = lo[q];
-            if (isnan(tot[q]) && has_nan(base + q * c->sbk * ESZ[c->dt], c->dt, c->sbn, w)) ohi[q] = olo[q] = NAN;
+            if (isnan(tot[q]) && has_nan(base + q * c->sbk * esz, c->dt, c->sbn, w)) ohi[q] = olo[q] = NAN;
         }
     }
     free(mem);
@@ -569,7 +627,7 @@ static float ws_aggregate(const ws_ctx *c, float *agg, uint8_t *bad) {
 /* ---- check ----------------------------------------------------------------------------- */
 
 typedef struct {
-    int64_t m, n, k, nseg, nb1, items_per_batch;
+    int64_t m, n, k, nseg, nb1, items_per_batch, rb;
     const char *a;
     int adt;
     int64_t sa0, sa1, sam, sak;
@@ -590,12 +648,12 @@ typedef struct {
 } chk_ctx;
 
 typedef struct {
-    float *abuf;  /* KC * RB: a converted block of A */
+    float *abuf;  /* KC * RB (or KCC * RBC): a converted block of A */
     float *cbuf;  /* SEG * 16 */
-    v16 *acc;     /* RB * nseg */
-    float *ref, *csum, *bsum, *babs; /* RB * nseg each */
+    v16 *acc;     /* RBMAX * nseg */
+    float *ref, *csum, *bsum, *babs; /* RBMAX * nseg each */
     float *floor;                    /* nseg */
-    float sum[RB], hi[RB], lo[RB];
+    float sum[RBMAX], hi[RBMAX], lo[RBMAX];
 } scratch;
 
 static const float ZEROS[KC];
@@ -659,61 +717,84 @@ static void a_rows(const chk_ctx *c, const char *pa, int64_t rows, const float *
     }
 }
 
-/* R <= 16 rows of a column-major A (stride 1 along M): lane r is row r; each row sums in
- * k order, 4 interleaved partials per block of 16 k, then into the total. */
+/* R <= RBC rows of a column-major A (stride 1 along M): lane r % 16 of group r / 16 is row
+ * r; each row sums in k order, 4 interleaved partials per block of 16 k (k0 a multiple of
+ * 16), then into the total. A block of KCC k is read as KCC contiguous runs of R elements
+ * (one stream, whatever the row count) into buf[q][RBC]; the groups then work from buf.
+ * A row's arithmetic depends neither on R nor on its group. */
 static void a_cols(const chk_ctx *c, const char *pa, int64_t rows, const float *br, float *buf, v16 *acc,
                    float *sum, float *hi, float *lo, float *ref) {
-    v16 tot = {0}, h = splat(-INFINITY), l = splat(INFINITY);
-    memset(acc, 0, sizeof(v16) * c->nseg);
-    for (int64_t k0 = 0; k0 < c->k; k0 += KC) {
-        int64_t kc = c->k - k0 < KC ? c->k - k0 : KC;
-        for (int64_t q = 0; q < kc; q++) vst(buf + 16 * q, load16(pa + (k0 + q) * c->sak * ESZ[c->adt], c->adt, rows));
-        for (int64_t q0 = 0; q0 < kc; q0 += 16) {
-            int64_t q1 = q0 + 16 < kc ? q0 + 16 : kc;
-            v16 p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
-#define COL(pj, q)                     \
-    {                                  \
-        v16 v = vld(buf + 16 * (q));   \
-        pj += v;                       \
-        h = vmax(v, h);                \
-        l = vmin(v, l);                \
+    int64_t ng = (rows + 15) / 16, nseg = c->nseg, esz = ESZ[c->adt];
+    v16 tot[RBC / 16], h[RBC / 16], l[RBC / 16];
+    for (int64_t g = 0; g < ng; g++) {
+        tot[g] = splat(0.0f);
+        h[g] = splat(-INFINITY);
+        l[g] = splat(INFINITY);
     }
-            int64_t q = q0;
-            for (; q + 4 <= q1; q += 4) {
-                COL(p0, q) COL(p1, q + 1) COL(p2, q + 2) COL(p3, q + 3)
+    memset(acc, 0, sizeof(v16) * ng * nseg);
+    for (int64_t k0 = 0; k0 < c->k; k0 += KCC) {
+        int64_t kc = c->k - k0 < KCC ? c->k - k0 : KCC;
+        for (int64_t q = 0; q < kc; q++) {
+            const char *p = pa + (k0 + q) * c->sak * esz;
+            for (int64_t g = 0; g < ng; g++) {
+                int64_t n = rows - 16 * g;
+                vst(buf + RBC * q + 16 * g, load16(p + 16 * g * esz, c->adt, n < 16 ? n : 16));
             }
-            if (q < q1) COL(p0, q)
-            if (q + 1 < q1) COL(p1, q + 1)
-            if (q + 2 < q1) COL(p2, q + 2)
-#undef COL
-            tot += (p0 + p1) + (p2 + p3);
         }
-        for (int64_t sg = 0; sg < c->nseg; sg++) {
-            const float *b = br + sg * c->sbrs + k0;
-            v16 a = acc[sg];
+        for (int64_t g = 0; g < ng; g++) {
+            const float *x = buf + 16 * g;
+            v16 t = tot[g], hg = h[g], lg = l[g];
             for (int64_t q0 = 0; q0 < kc; q0 += 16) {
                 int64_t q1 = q0 + 16 < kc ? q0 + 16 : kc;
                 v16 p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
+#define COL(pj, q)                        \
+    {                                     \
+        v16 v = vld(x + RBC * (q));       \
+        pj += v;                          \
+        hg = vmax(v, hg);                 \
+        lg = vmin(v, lg);                 \
+    }
                 int64_t q = q0;
                 for (; q + 4 <= q1; q += 4) {
-                    p0 += vld(buf + 16 * q) * splat(b[q]);
-                    p1 += vld(buf + 16 * (q + 1)) * splat(b[q + 1]);
-                    p2 += vld(buf + 16 * (q + 2)) * splat(b[q + 2]);
-                    p3 += vld(buf + 16 * (q + 3)) * splat(b[q + 3]);
+                    COL(p0, q) COL(p1, q + 1) COL(p2, q + 2) COL(p3, q + 3)
                 }
-                if (q < q1) p0 += vld(buf + 16 * q) * splat(b[q]);
-                if (q + 1 < q1) p1 += vld(buf + 16 * (q + 1)) * splat(b[q + 1]);
-                if (q + 2 < q1) p2 += vld(buf + 16 * (q + 2)) * splat(b[q + 2]);
-                a += (p0 + p1) + (p2 + p3);
+                if (q < q1) COL(p0, q)
+                if (q + 1 < q1) COL(p1, q + 1)
+                if (q + 2 < q1) COL(p2, q + 2)
+#undef COL
+                t += (p0 + p1) + (p2 + p3);
             }
-            acc[sg] = a;
+            tot[g] = t;
+            h[g] = hg;
+            l[g] = lg;
+            for (int64_t sg = 0; sg < nseg; sg++) {
+                const float *b = br + sg * c->sbrs + k0;
+                v16 a = acc[g * nseg + sg];
+                for (int64_t q0 = 0; q0 < kc; q0 += 16) {
+                    int64_t q1 = q0 + 16 < kc ? q0 + 16 : kc;
+                    v16 p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
+                    int64_t q = q0;
+                    for (; q + 4 <= q1; q += 4) {
+                        p0 += vld(x + RBC * q) * splat(b[q]);
+                        p1 += vld(x + RBC * (q + 1)) * splat(b[q + 1]);
+                        p2 += vld(x + RBC * (q + 2)) * splat(b[q + 2]);
+                        p3 += vld(x + RBC * (q + 3)) * splat(b[q + 3]);
+                    }
+                    if (q < q1) p0 += vld(x + RBC * q) * splat(b[q]);
+                    if (q + 1 < q1) p1 += vld(x + RBC * (q + 1)) * splat(b[q + 1]);
+                    if (q + 2 < q1) p2 += vld(x + RBC * (q + 2)) * splat(b[q + 2]);
+                    a += (p0 + p1) + (p2 + p3);
+                }
+                acc[g * nseg + sg] = a;
+            }
         }
     }
     for (int64_t r = 0; r < rows; r++) {
-        sum[r] = tot[r];
-        hi[r] = h[r];
-        lo[r] = l[r];
-        for (int64_t sg = 0; sg < c->nseg; sg++) ref[r * c->nseg + sg] = acc[sg][r];
+        int64_t g = r / 16, j = r % 16;
+        sum[r] = tot[g][j];
+        hi[r] = h[g][j];
+        lo[r] = l[g][j];
+        for (int64_t sg = 0; sg < nseg; sg++) ref[r * nseg + sg] = acc[g * nseg + sg][j];
     }
 }
 
@@ -773,7 +854,9 @@ static void x_cols(const chk_ctx *c, const char *px, int dt, int64_t sx, int64_t
 static void x_block(const chk_ctx *c, scratch *w, const char *px, int dt, int64_t sm, int64_t sn, int64_t rows,
                     float *out, float *aout) {
     if (sn != 1 && sm == 1) {
-        x_cols(c, px, dt, sn, rows, w->cbuf, out, aout);
+        for (int64_t r0 = 0; r0 < rows; r0 += 16)
+            x_cols(c, px + r0 * ESZ[dt], dt, sn, rows - r0 < 16 ? rows - r0 : 16, w->cbuf, out + r0 * c->nseg,
+                   aout ? aout + r0 * c->nseg : NULL);
         return;
     }
     for (int64_t r = 0; r < rows; r++)
@@ -784,29 +867,29 @@ static int chk_work(void *vctx, int64_t i0, int64_t i1) {
     const chk_ctx *c = (const chk_ctx *)vctx;
     scratch w;
     int64_t nseg = c->nseg;
-    size_t per = (size_t)RB * nseg * sizeof(float);
-    char *mem = (char *)aligned_alloc(64, KC * RB * 4 + SEG * 16 * 4 + RB * nseg * sizeof(v16) + 4 * per + nseg * sizeof(float) + 256);
+    size_t per = (size_t)RBMAX * nseg * sizeof(float);
+    char *mem = (char *)aligned_alloc(64, KC * RB * 4 + SEG * 16 * 4 + RBMAX * nseg * sizeof(v16) + 4 * per + nseg * sizeof(float) + 256);
     if (!mem) return -1;
     w.abuf = (float *)mem;
     w.cbuf = w.abuf + KC * RB;
     w.acc = (v16 *)(w.cbuf + SEG * 16);
-    w.ref = (float *)(w.acc + RB * nseg);
-    w.csum = w.ref + RB * nseg;
-    w.bsum = w.csum + RB * nseg;
-    w.babs = w.bsum + RB * nseg;
+    w.ref = (float *)(w.acc + RBMAX * nseg);
+    w.csum = w.ref + RBMAX * nseg;
+    w.bsum = w.csum + RBMAX * nseg;
+    w.babs = w.bsum + RBMAX * nseg;
     int all_ok = 1;
     float beta_abs = fabsf(c->beta);
     /* n_s * tiny(C) is subnormal for fp32 / bf16 C: computed once per segment here, as a
      * subnormal product costs a microcode assist per (row, segment) */
-    w.floor = w.babs + RB * nseg;
+    w.floor = w.babs + RBMAX * nseg;
     for (int64_t s = 0; s < nseg; s++) w.floor[s] = (float)seg_width(c->n, s) * c->tiny;
     for (int64_t it = i0; it < i1; it++) {
-        int64_t bi = it / c->items_per_batch, m0 = (it % c->items_per_batch) * RB;
+        int64_t bi = it / c->items_per_batch, m0 = (it % c->items_per_batch) * c->rb;
         int64_t b0 = bi / c->nb1, b1 = bi % c->nb1;
-        int64_t rows = c->m - m0 < RB ? c->m - m0 : RB;
+        int64_t rows = c->m - m0 < c->rb ? c->m - m0 : c->rb;
         const char *pa = c->a + (b0 * c->sa0 + b1 * c->sa1 + m0 * c->sam) * ESZ[c->adt];
         const float *br = c->br + b0 * c->sbr0 + b1 * c->sbr1;
-        if (c->sak != 1 && c->sam == 1) {
+        if (c->rb == RBC) {
             a_cols(c, pa, rows, br, w.abuf, w.acc, w.sum, w.hi, w.lo, w.ref);
         } else {
             a_rows(c, pa, rows, br, w.abuf, w.acc, w.sum, w.hi, w.lo, w.ref);
@@ -892,8 +975,11 @@ static PyObject *py_weight_side(PyObject *self, PyObject *const *args, Py_ssize_
     }
     /* column-major: runs along K (W.t() of a Linear); else rows of B, gathered if strided */
     c.colwise = c.sbk == 1 && c.sbn != 1 && c.k > 1;
-    c.items_per_batch = c.colwise ? c.nseg * ((c.k + KC - 1) / KC) : (c.k + KB - 1) / KB;
-    if (c.bt * c.k * c.n < PAR_MIN) threads = 1;
+    c.items_per_batch = c.colwise ? c.nseg * ((c.k + KCW - 1) / KCW) : (c.k + KB - 1) / KB;
+    if (threads < 0)
+        threads = -threads;
+    else if (c.bt * c.k * c.n < PAR_MIN)
+        threads = 1;
     int rc;
     float mu_scale;
     Py_BEGIN_ALLOW_THREADS
@@ -976,8 +1062,12 @@ static PyObject *py_check(PyObject *self, PyObject *const *args, Py_ssize_t narg
     c.lo = rows + 2 * nb * c.m;
     c.ok = flags;
     c.zero = flags + plane;
-    c.items_per_batch = (c.m + RB - 1) / RB;
-    if (nb * c.m * (c.k + c.n) < PAR_MIN) threads = 1;
+    c.rb = c.sak != 1 && c.sam == 1 ? RBC : RB;
+    c.items_per_batch = (c.m + c.rb - 1) / c.rb;
+    if (threads < 0)
+        threads = -threads;
+    else if (nb * c.m * (c.k + c.n) < PAR_MIN)
+        threads = 1;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = parallel(chk_work, &c, nb * c.items_per_batch, threads);

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from . import backends
-from .abft import num_segments, weight_side
+from .abft import num_segments
 from .backends import GemmRequest
 from .bench_common import (
     FP16_NOTE, SHORT_NAME, Outcome, argtype, Progress, busy_warning, emulated_fp16, generator, load_average,
@@ -150,7 +150,7 @@ def measure_cell(dtype: torch.dtype, shape: tuple[int, int, int], device: torch.
     e_max = resolve_e_max(None, dtype, device)
     req = GemmRequest(a, b, c, e_max)
     backend = backends.select(req, args.backend)
-    warm_req = replace(req, weight=weight_side(b))
+    warm_req = replace(req, weight=backend.encode(b))  # as the weight cache would hold it
     columns = {
         "bare": lambda: product(a, b),
         "cold": lambda: backend.check(req),

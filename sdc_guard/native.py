@@ -132,9 +132,11 @@ def _checksum32(checksum_weight: Tensor | None) -> Tensor | None:
     return checksum_weight.detach().to(torch.float32).contiguous()
 
 
-def native_weight_side(b: Tensor, checksum_weight: Tensor | None = None) -> WeightSide:
+def native_weight_side(b: Tensor, checksum_weight: Tensor | None = None, threads: int | None = None,
+                       force_threads: bool = False) -> WeightSide:
     """``abft.weight_side`` in one native call: one read of ``b`` (``[..., K, N]``, any
-    strides), split over ``torch.get_num_threads()`` threads when large.
+    strides), split over ``threads`` (default ``torch.get_num_threads()``) threads when
+    large (``PAR_MIN`` elements), or always when ``force_threads`` (tests).
 
     Returns a ``WeightSide`` with ``br`` segment-major (as ``abft`` stores it) and its
     threshold factors precomputed; inputs the kernels do not cover are encoded by
@@ -163,7 +165,7 @@ def native_weight_side(b: Tensor, checksum_weight: Tensor | None = None) -> Weig
     mu_scale = ext.weight_side(
         b.data_ptr(), _DT[b.dtype], bt, k, n, sbb, b.stride(-2), b.stride(-1),
         r.data_ptr() if r is not None else 0, br.data_ptr(), extrema[0].data_ptr(), extrema[1].data_ptr(),
-        agg.data_ptr(), bad.data_ptr(), torch.get_num_threads(),
+        agg.data_ptr(), bad.data_ptr(), _threads(threads, force_threads),
     )
     widths = _segment_constants(n, b.device)[0]
     ws = WeightSide(br.mT, agg[0], agg[1], agg[2], agg[3], bad, widths, k, n)
@@ -254,13 +256,20 @@ def _layout(req: object, ws: WeightSide | None) -> tuple[list[int], list[list[in
     return _collapse(batch, per)
 
 
-def native_check(req: object, threads: int | None = None) -> AbftCheck | None:
+def _threads(threads: int | None, force: bool) -> int:
+    """The kernel's thread argument: at most ``threads``; negative forces the split."""
+    n = max(1, torch.get_num_threads() if threads is None else threads)
+    return -n if force else n
+
+
+def native_check(req: object, threads: int | None = None, force_threads: bool = False) -> AbftCheck | None:
     """Verify ``req`` (a ``backends.GemmRequest``) in one native call; ``None`` where the
     kernels do not cover it (the caller then runs the torch path).
 
     Uses ``req.weight`` when given (any backend's encoding), else ``native_weight_side``.
     ``threads``: at most this many (default ``torch.get_num_threads()``); the kernel
-    uses one for small work. Never writes to an input.
+    uses one below ``PAR_MIN`` elements read unless ``force_threads`` (tests). Never
+    writes to an input.
     """
     ext = _load()
     if ext is None:
@@ -314,7 +323,7 @@ def native_check(req: object, threads: int | None = None) -> AbftCheck | None:
         prep.mu_scale, abs(alpha) * effective_e_max(req.e_max, ws.k, c_dtype),  # type: ignore[attr-defined]
         alpha, beta, tiny, bias_round,
         vals.data_ptr(), rows.data_ptr(), flags.data_ptr(),
-        torch.get_num_threads() if threads is None else threads,
+        _threads(threads, force_threads),
     )
     diff, threshold = vals
     if all_ok:  # every segment passed and everything is finite: nothing to explain

@@ -293,16 +293,44 @@ def test_batch_invariance(dtype: torch.dtype, a_layout: str) -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_wide_blocks_agree(dtype: torch.dtype) -> None:
+    """Column-major A over several 128-row blocks with a K tail, and a column-major weight
+    side over several K blocks with a tail and a checksum weight: agreement with torch,
+    rows bit-identical at an offset and across forced threads."""
+    a = layout(randn(300, 1100, dtype=dtype, seed=41), "col")
+    w = randn(520, 1100, dtype=dtype, seed=42)
+    r = torch.rand(520, generator=torch.Generator().manual_seed(43)) + 0.5
+    c = product(a, w.t())
+    ws = native.native_weight_side(w.t(), r)
+    for b_ws in (ws, native.native_weight_side(w.t(), r, threads=3, force_threads=True)):
+        for f in ("br", "p1", "p2", "v", "col_norm", "bad"):
+            assert torch.equal(getattr(ws, f), getattr(b_ws, f)), f
+    assert_agrees(request(a, w.t(), c, checksum_weight=r))
+    req = request(a, w.t(), c, checksum_weight=r, weight=ws)
+    one, many = native.native_check(req, threads=1), native.native_check(req, threads=3, force_threads=True)
+    assert torch.equal(one.diff, many.diff) and torch.equal(one.threshold, many.threshold)
+    tail = native.native_check(request(a[77:], w.t(), c[77:], checksum_weight=r, weight=ws))
+    assert torch.equal(tail.diff, one.diff[77:]) and torch.equal(tail.threshold, one.threshold[77:])
+
+
+@needs_native
 def test_threads_do_not_change_bits() -> None:
-    """Work above the threading threshold: split over threads, the same bits as one thread."""
+    """Work split over threads (forced: these shapes are below the threshold), the same
+    bits as one thread."""
     a, w = randn(300, 2048, seed=29), randn(2048, 2048, seed=30)
     c = a @ w.t()
     req = request(a, w.t(), c, weight=native.native_weight_side(w.t()))
-    one, many = native.native_check(req, threads=1), native.native_check(req, threads=3)
+    one, many = native.native_check(req, threads=1), native.native_check(req, threads=3, force_threads=True)
     assert torch.equal(one.diff, many.diff) and torch.equal(one.threshold, many.threshold)
     assert torch.equal(one.ok, many.ok) and bool(one.ok.all())
+    for b in (w.t(), w):
+        ws1 = native.native_weight_side(b, threads=1)
+        ws2 = native.native_weight_side(b, threads=3, force_threads=True)
+        for f in ("br", "p1", "p2", "v", "col_norm", "bad"):
+            assert torch.equal(getattr(ws1, f), getattr(ws2, f)), f
     old = torch.get_num_threads()
-    try:
+    try:  # the default follows torch's thread count
         torch.set_num_threads(1)
         ws1 = native.native_weight_side(w.t())
         torch.set_num_threads(2)
