@@ -645,6 +645,7 @@ typedef struct {
     float mu_scale, scale, alpha, beta, tiny, bias_round;
     float *diff, *thr, *mu, *hi, *lo; /* [nb][m][nseg], [nb][m] */
     uint8_t *ok, *zero;               /* [nb][m][nseg] */
+    float *worst;                     /* [work items]: largest D / T of each item's rows */
 } chk_ctx;
 
 typedef struct {
@@ -900,6 +901,7 @@ static int chk_work(void *vctx, int64_t i0, int64_t i1) {
             const char *pb = c->bias + (b0 * c->sb0 + b1 * c->sb1 + m0 * c->sbm) * ESZ[c->bdt];
             x_block(c, &w, pb, c->bdt, c->sbm, c->sbn, rows, w.bsum, w.babs);
         }
+        float worst = 0.0f;
         const float *fm = c->fm + b0 * c->sf0 + b1 * c->sf1, *fcm = c->fcm + b0 * c->sf0 + b1 * c->sf1;
         const float *fcs = c->fcs + b0 * c->sf0 + b1 * c->sf1, *fsp = c->fsp + b0 * c->sf0 + b1 * c->sf1;
         for (int64_t r = 0; r < rows; r++) {
@@ -931,8 +933,11 @@ static int chk_work(void *vctx, int64_t i0, int64_t i1) {
                 c->ok[o] = (uint8_t)ok;
                 c->zero[o] = 0;
                 all_ok = all_ok && ok && isfinite(t);
+                float ratio = d / t;
+                if (ratio > worst) worst = ratio;
             }
         }
+        c->worst[it] = worst;
     }
     free(mem);
     return all_ok;
@@ -1068,12 +1073,20 @@ static PyObject *py_check(PyObject *self, PyObject *const *args, Py_ssize_t narg
         threads = -threads;
     else if (nb * c.m * (c.k + c.n) < PAR_MIN)
         threads = 1;
+    int64_t items = nb * c.items_per_batch;
+    c.worst = (float *)malloc((size_t)items * sizeof(float));
+    if (!c.worst) return PyErr_NoMemory();
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = parallel(chk_work, &c, nb * c.items_per_batch, threads);
+    rc = parallel(chk_work, &c, items, threads);
     Py_END_ALLOW_THREADS
+    float worst = 0.0f;
+    for (int64_t i = 0; i < items; i++)
+        if (c.worst[i] > worst) worst = c.worst[i];
+    free(c.worst);
     if (rc < 0) return PyErr_NoMemory();
-    return PyBool_FromLong(rc);
+    /* (every segment passed with D and T finite, largest D / T where that holds) */
+    return Py_BuildValue("(Nd)", PyBool_FromLong(rc), (double)worst);
 }
 
 /* noop(*args): the binding's own cost, for measuring the per-call overhead */

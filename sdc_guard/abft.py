@@ -255,7 +255,8 @@ class AbftCheck:
     large enough for a legitimate overflow). ``diff`` and ``threshold`` are ``None`` for
     backends that only return bits (the NPU operator). ``clear``: known on the host
     without a synchronisation (CPU backends) that every segment passed with D and T
-    finite, so the masks are all False and a summary need not reduce them.
+    finite, so the masks are all False and a summary need not reduce them;
+    ``worst_ratio``: the largest ``D / T`` of a clear check, where the backend had it.
     """
 
     ok: Tensor
@@ -264,6 +265,7 @@ class AbftCheck:
     diff: Tensor | None = None
     threshold: Tensor | None = None
     clear: bool = False
+    worst_ratio: float | None = None
 
     @property
     def sdc(self) -> Tensor:

@@ -312,7 +312,7 @@ def native_check(req: object, threads: int | None = None, force_threads: bool = 
     c_dtype = c.dtype
     tiny, bias_round = _C_CONST[c_dtype]
     f_mean, f_cross_mu, f_cross_sd, f_spread = prep.f_ptrs
-    all_ok = ext.check(
+    all_ok, worst = ext.check(
         m, n, k, nb0, nb1,
         a.data_ptr(), _DT[a.dtype], sa0, sa1, sa[-2], sa[-1],
         c.data_ptr(), _DT[c_dtype], sc0, sc1, sc[-2], sc[-1],
@@ -327,7 +327,7 @@ def native_check(req: object, threads: int | None = None, force_threads: bool = 
     )
     diff, threshold = vals
     if all_ok:  # every segment passed and everything is finite: nothing to explain
-        return AbftCheck(flags[0], flags[1], flags[1], diff, threshold)
+        return AbftCheck(flags[0], flags[1], flags[1], diff, threshold, clear=True, worst_ratio=worst)
     bias_sum = bias_abs = None
     if bias is not None:
         bias_sum, bias_abs = _bias_sums(bias, n, r, beta)
