@@ -13,7 +13,6 @@ warns once, counts the GEMM as unverified, and never stops training.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 import weakref
 from collections import deque
@@ -313,18 +312,23 @@ class Guard:
         e_max = self._e_max_choice.get(key)
         if e_max is None:
             e_max = self._e_max_choice[key] = resolve_e_max(self.e_max, gemm.a.dtype, gemm.a.device)
-        req = GemmRequest(gemm.a, gemm.b, gemm.out, e_max, bias=gemm.bias, alpha=gemm.alpha, beta=gemm.beta)
-        backend = self._choose_backend(req)
-        if backend.name != "npu":  # the operator re-reads B itself
-            weight = self.cache.get(gemm.b, encode=backend.encode)
-            if weight is not None:
-                req = dataclasses.replace(req, weight=weight)
+        backend = self._choose_backend(gemm, e_max)
+        # the operator re-reads B itself; the others take the cached encoding
+        weight = self.cache.get(gemm.b, encode=backend.encode) if backend.name != "npu" else None
+        req = GemmRequest(gemm.a, gemm.b, gemm.out, e_max, bias=gemm.bias, alpha=gemm.alpha, beta=gemm.beta,
+                          weight=weight)
         return summarize(backend.check(req))
 
-    def _choose_backend(self, req: GemmRequest) -> Backend:
-        key = (req.device, req.a.dtype, req.a.dim(), req.b.dim(), req.bias is not None, req.alpha == 1.0)
+    def _choose_backend(self, gemm: Gemm, e_max: float) -> Backend:
+        """The backend for GEMMs like this one, chosen once per kind of call: device,
+        dtype, dims, bias and alpha (what the NPU operator's contract depends on). The
+        Triton and native kernels also depend on strides; a call of theirs that their
+        ``rejects`` would refuse goes to the torch path inside their ``check``."""
+        a = gemm.a
+        key = (a.device, a.dtype, a.dim(), gemm.b.dim(), gemm.bias is not None, gemm.alpha == 1.0)
         chosen = self._backend_choice.get(key)
         if chosen is None:
+            req = GemmRequest(a, gemm.b, gemm.out, e_max, bias=gemm.bias, alpha=gemm.alpha, beta=gemm.beta)
             chosen = self._backend_choice[key] = backends.select(req, self.backend)
         return chosen
 
