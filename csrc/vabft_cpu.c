@@ -652,7 +652,7 @@ typedef struct {
     float *abuf;  /* KC * RB (or KCC * RBC): a converted block of A */
     float *cbuf;  /* SEG * 16 */
     v16 *acc;     /* RBMAX * nseg */
-    float *ref, *csum, *bsum, *babs; /* RBMAX * nseg each */
+    float *ref, *csum, *bsum, *babs; /* [nseg][RBMAX] each: segment s of row r at s * RBMAX + r */
     float *floor;                    /* nseg */
     float sum[RBMAX], hi[RBMAX], lo[RBMAX];
 } scratch;
@@ -714,7 +714,7 @@ static void a_rows(const chk_ctx *c, const char *pa, int64_t rows, const float *
     }
     for (int64_t r = 0; r < rows; r++) {
         finish_stats(s[r], h[r], l[r], &sum[r], &hi[r], &lo[r]);
-        for (int64_t sg = 0; sg < nseg; sg++) ref[r * nseg + sg] = hsum(acc[(r & ~(int64_t)3) * nseg + 4 * sg + (r & 3)]);
+        for (int64_t sg = 0; sg < nseg; sg++) ref[sg * RBMAX + r] = hsum(acc[(r & ~(int64_t)3) * nseg + 4 * sg + (r & 3)]);
     }
 }
 
@@ -795,11 +795,11 @@ static void a_cols(const chk_ctx *c, const char *pa, int64_t rows, const float *
         sum[r] = tot[g][j];
         hi[r] = h[g][j];
         lo[r] = l[g][j];
-        for (int64_t sg = 0; sg < nseg; sg++) ref[r * nseg + sg] = acc[g * nseg + sg][j];
+        for (int64_t sg = 0; sg < nseg; sg++) ref[sg * RBMAX + r] = acc[g * nseg + sg][j];
     }
 }
 
-/* Segment sums of r * X over one row (stride sx along N): out[s], and of |r * X| in aout. */
+/* Segment sums of r * X over one row (stride sx along N): out[s * RBMAX], and of |r * X| in aout. */
 static void x_row(const chk_ctx *c, const char *px, int dt, int64_t sx, float *buf, float *out, float *aout) {
     int direct = dt == DT_F32 && sx == 1;
     for (int64_t s = 0; s < c->nseg; s++) {
@@ -812,7 +812,7 @@ static void x_row(const chk_ctx *c, const char *px, int dt, int64_t sx, float *b
             cvt(p, dt, sx, w, buf);
             x = buf;
         }
-        run_sum(x, c->r ? c->r + s * SEG : NULL, w, &out[s], aout ? &aout[s] : NULL);
+        run_sum(x, c->r ? c->r + s * SEG : NULL, w, &out[s * RBMAX], aout ? &aout[s * RBMAX] : NULL);
     }
 }
 
@@ -845,23 +845,103 @@ static void x_cols(const chk_ctx *c, const char *px, int dt, int64_t sx, int64_t
             atot += (q0 + q1) + (q2 + q3);
         }
         for (int64_t r = 0; r < rows; r++) {
-            out[r * c->nseg + s] = tot[r];
-            if (aout) aout[r * c->nseg + s] = atot[r];
+            out[s * RBMAX + r] = tot[r];
+            if (aout) aout[s * RBMAX + r] = atot[r];
         }
     }
 }
 
-/* segment sums of rows [m0, m0 + rows) of X (C or the bias) into out[r][s] (and aout) */
+/* segment sums of rows [m0, m0 + rows) of X (C or the bias) into out[s][r] (and aout) */
 static void x_block(const chk_ctx *c, scratch *w, const char *px, int dt, int64_t sm, int64_t sn, int64_t rows,
                     float *out, float *aout) {
     if (sn != 1 && sm == 1) {
         for (int64_t r0 = 0; r0 < rows; r0 += 16)
-            x_cols(c, px + r0 * ESZ[dt], dt, sn, rows - r0 < 16 ? rows - r0 : 16, w->cbuf, out + r0 * c->nseg,
-                   aout ? aout + r0 * c->nseg : NULL);
+            x_cols(c, px + r0 * ESZ[dt], dt, sn, rows - r0 < 16 ? rows - r0 : 16, w->cbuf, out + r0,
+                   aout ? aout + r0 : NULL);
         return;
     }
     for (int64_t r = 0; r < rows; r++)
-        x_row(c, px + r * sm * ESZ[dt], dt, sn, w->cbuf, out + r * c->nseg, aout ? aout + r * c->nseg : NULL);
+        x_row(c, px + r * sm * ESZ[dt], dt, sn, w->cbuf, out + r, aout ? aout + r : NULL);
+}
+
+static inline v16 vsqrt(v16 x) {
+#ifdef __AVX512F__
+    return (v16)_mm512_sqrt_ps((__m512)x);
+#else
+    for (int j = 0; j < 16; j++) x[j] = sqrtf(x[j]);
+    return x;
+#endif
+}
+static inline v16 vsel(v16i m, v16 a, v16 b) { return (v16)((m & (v16i)a) | (~m & (v16i)b)); }
+static inline v16i visnan(v16 x) { return x != x; }
+static inline v16i visinf(v16 x) { return vabs(x) == splat(INFINITY); }
+
+/* hypot(x, y) lane-wise, exact to a few ulp and without intermediate overflow:
+ * m sqrt(1 + (n / m)^2) with m = max(|x|, |y|), n = min; 0 when both are 0; +inf when
+ * either is infinite (even with a NaN, as C's hypot); NaN when either is NaN otherwise. */
+static inline v16 vhypot(v16 x, v16 y) {
+    v16 ax = vabs(x), ay = vabs(y);
+    v16i xgt = ax > ay;
+    v16 m = vsel(xgt, ax, ay), n = vsel(xgt, ay, ax);
+    v16 q = n / m;
+    v16 h = m * vsqrt(splat(1.0f) + q * q);
+    h = vsel(m == splat(0.0f), splat(0.0f), h);
+    h = vsel(visnan(x) | visnan(y), splat(NAN), h);
+    return vsel(visinf(x) | visinf(y), splat(INFINITY), h);
+}
+
+/* D, T and the verdict of rows [0, rows) of a work item (row0: their flat index), 16
+ * rows per vector: every row goes through the same lane-wise operations whichever lane
+ * and group it lands in (padding lanes are computed and dropped). Stores mu / hi / lo,
+ * diff / thr / ok / zero; *worst = the largest finite-verdict D / T. Returns whether
+ * every segment passed with D and T finite. */
+static int chk_rows(const chk_ctx *c, const scratch *w, int64_t rows, int64_t row0, const float *fm,
+                    const float *fcm, const float *fcs, const float *fsp, float *worst_out) {
+    int64_t nseg = c->nseg;
+    int all_ok = 1;
+    v16 worst = splat(0.0f);
+    const v16 kf = splat((float)c->k), alpha = splat(c->alpha), beta = splat(c->beta);
+    const v16 beta_abs = splat(fabsf(c->beta)), bias_round = splat(c->bias_round);
+    const v16 mu_scale = splat(c->mu_scale), scale = splat(c->scale), inf = splat(INFINITY);
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        int64_t nr = rows - r0 < 16 ? rows - r0 : 16;
+        v16 mu = vld(w->sum + r0) / kf, hi = vld(w->hi + r0), lo = vld(w->lo + r0);
+        v16 sd = vsqrt(vabs((hi - mu) * (mu - lo))), mua = vabs(mu);
+        for (int64_t j = 0; j < nr; j++) {
+            c->mu[row0 + r0 + j] = mu[j];
+            c->hi[row0 + r0 + j] = hi[j];
+            c->lo[row0 + r0 + j] = lo[j];
+        }
+        v16 mus = mua * mu_scale;
+        for (int64_t s = 0; s < nseg; s++) {
+            int64_t q = s * RBMAX + r0;
+            v16 ref = vld(w->ref + q) * alpha, floor = splat(w->floor[s]);
+            if (c->bias) {
+                ref = ref + beta * vld(w->bsum + q);
+                floor = floor + bias_round * (vld(w->babs + q) * beta_abs);
+            }
+            v16 bracket = mus * splat(fm[s]);
+            bracket = bracket + vhypot(mua * splat(fcm[s]), sd * splat(fcs[s]));
+            bracket = bracket + sd * splat(fsp[s]);
+            v16 t = floor + scale * bracket;
+            v16 d = vabs(vld(w->csum + q) - ref);
+            v16i okv = (d <= t) & (d < inf);
+            v16i good = okv & (vabs(t) < inf);
+            v16 ratio = d / t;
+            v16i gt = ratio > worst;
+            for (int64_t j = 0; j < nr; j++) {
+                int64_t o = (row0 + r0 + j) * nseg + s;
+                c->diff[o] = d[j];
+                c->thr[o] = t[j];
+                c->ok[o] = (uint8_t)(okv[j] != 0);
+                c->zero[o] = 0;
+                all_ok = all_ok && good[j];
+                if (gt[j]) worst[j] = ratio[j];
+            }
+        }
+    }
+    *worst_out = hmax(worst);
+    return all_ok;
 }
 
 static int chk_work(void *vctx, int64_t i0, int64_t i1) {
@@ -901,43 +981,14 @@ static int chk_work(void *vctx, int64_t i0, int64_t i1) {
             const char *pb = c->bias + (b0 * c->sb0 + b1 * c->sb1 + m0 * c->sbm) * ESZ[c->bdt];
             x_block(c, &w, pb, c->bdt, c->sbm, c->sbn, rows, w.bsum, w.babs);
         }
-        float worst = 0.0f;
+        /* NaN in a row of A: max / min are NaN (torch semantics), found by a rescan */
+        for (int64_t r = 0; r < rows; r++)
+            if (isnan(w.sum[r]) && has_nan(pa + r * c->sam * ESZ[c->adt], c->adt, c->sak, c->k)) w.hi[r] = w.lo[r] = NAN;
         const float *fm = c->fm + b0 * c->sf0 + b1 * c->sf1, *fcm = c->fcm + b0 * c->sf0 + b1 * c->sf1;
         const float *fcs = c->fcs + b0 * c->sf0 + b1 * c->sf1, *fsp = c->fsp + b0 * c->sf0 + b1 * c->sf1;
-        for (int64_t r = 0; r < rows; r++) {
-            int64_t row = bi * c->m + m0 + r;
-            float sum = w.sum[r], hi = w.hi[r], lo = w.lo[r];
-            if (isnan(sum) && has_nan(pa + r * c->sam * ESZ[c->adt], c->adt, c->sak, c->k)) hi = lo = NAN;
-            float mu = sum / (float)c->k;
-            float var = fabsf((hi - mu) * (mu - lo));
-            float sd = sqrtf(var), mua = fabsf(mu);
-            c->mu[row] = mu;
-            c->hi[row] = hi;
-            c->lo[row] = lo;
-            for (int64_t s = 0; s < nseg; s++) {
-                int64_t o = row * nseg + s, q = r * nseg + s;
-                float ref = w.ref[q] * c->alpha;
-                float floor = w.floor[s];
-                if (c->bias) {
-                    ref = ref + c->beta * w.bsum[q];
-                    floor = floor + c->bias_round * (w.babs[q] * beta_abs);
-                }
-                float bracket = (mua * c->mu_scale) * fm[s];
-                bracket = bracket + hypotf(mua * fcm[s], sd * fcs[s]);
-                bracket = bracket + sd * fsp[s];
-                float t = floor + c->scale * bracket;
-                float d = fabsf(w.csum[q] - ref);
-                int ok = d <= t && isfinite(d);
-                c->diff[o] = d;
-                c->thr[o] = t;
-                c->ok[o] = (uint8_t)ok;
-                c->zero[o] = 0;
-                all_ok = all_ok && ok && isfinite(t);
-                float ratio = d / t;
-                if (ratio > worst) worst = ratio;
-            }
-        }
-        c->worst[it] = worst;
+        int64_t row0 = bi * c->m + m0;
+        int ok_all = chk_rows(c, &w, rows, row0, fm, fcm, fcs, fsp, &c->worst[it]);
+        all_ok = all_ok && ok_all;
     }
     free(mem);
     return all_ok;
