@@ -659,6 +659,74 @@ typedef struct {
 
 static const float ZEROS[KC];
 
+/* sum / max / min of a contiguous run p[0..k) of dtype dt, converted in registers: the
+ * same lane assignment and order as acc_stats over consecutive KC blocks (KC is a
+ * multiple of 64), with the 12 accumulators in registers for the whole run. */
+static void row_stats(const char *p, int dt, int64_t k, float *sum, float *hi, float *lo) {
+    int64_t esz = ESZ[dt], i = 0;
+    v16 S[4], H[4], L[4];
+    v16 s0 = splat(0.0f), s1 = s0, s2 = s0, s3 = s0;
+    v16 h0 = splat(-INFINITY), h1 = h0, h2 = h0, h3 = h0;
+    v16 l0 = splat(INFINITY), l1 = l0, l2 = l0, l3 = l0;
+    for (; i + 64 <= k; i += 64) {
+        const char *q = p + i * esz;
+        v16 v0 = load16(q, dt, 16), v1 = load16(q + 16 * esz, dt, 16);
+        v16 v2 = load16(q + 32 * esz, dt, 16), v3 = load16(q + 48 * esz, dt, 16);
+        s0 += v0;
+        s1 += v1;
+        s2 += v2;
+        s3 += v3;
+        h0 = vmax(v0, h0);
+        h1 = vmax(v1, h1);
+        h2 = vmax(v2, h2);
+        h3 = vmax(v3, h3);
+        l0 = vmin(v0, l0);
+        l1 = vmin(v1, l1);
+        l2 = vmin(v2, l2);
+        l3 = vmin(v3, l3);
+    }
+    S[0] = s0, S[1] = s1, S[2] = s2, S[3] = s3;
+    H[0] = h0, H[1] = h1, H[2] = h2, H[3] = h3;
+    L[0] = l0, L[1] = l1, L[2] = l2, L[3] = l3;
+    if (i < k) {
+        float tmp[64];
+        cvt(p + i * esz, dt, 1, k - i, tmp);
+        acc_stats(tmp, NULL, k - i, S, H, L);
+    }
+    finish_stats(S, H, L, sum, hi, lo);
+}
+
+/* acc[r * nseg + (r & 3)] += x[r][0..kc) * b (lane i % 16, in i order) for rows r < padded,
+ * four rows per Br load; x[r] holds dtype dt (a constant where inlined). Every dtype
+ * converts to the same fp32 values, so a row's arithmetic does not depend on dt here. */
+static inline __attribute__((always_inline)) void dot4(const char *const *x, int dt, const float *b, int64_t kc,
+                                                       int64_t padded, v16 *acc, int64_t nseg) {
+    int64_t kv = kc & ~(int64_t)15, esz = ESZ[dt];
+    for (int64_t r = 0; r < padded; r += 4) {
+        const char *x0 = x[r], *x1 = x[r + 1], *x2 = x[r + 2], *x3 = x[r + 3];
+        v16 *a = acc + r * nseg;
+        v16 a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+        for (int64_t i = 0; i < kv; i += 16) {
+            v16 bv = vld(b + i);
+            a0 += load16(x0 + i * esz, dt, 16) * bv;
+            a1 += load16(x1 + i * esz, dt, 16) * bv;
+            a2 += load16(x2 + i * esz, dt, 16) * bv;
+            a3 += load16(x3 + i * esz, dt, 16) * bv;
+        }
+        for (int64_t i = kv; i < kc; i++) {
+            int q = (int)(i & 15);
+            a0[q] += ld(x0, dt, i) * b[i];
+            a1[q] += ld(x1, dt, i) * b[i];
+            a2[q] += ld(x2, dt, i) * b[i];
+            a3[q] += ld(x3, dt, i) * b[i];
+        }
+        a[0] = a0;
+        a[1] = a1;
+        a[2] = a2;
+        a[3] = a3;
+    }
+}
+
 /* R <= 16 rows of A, each contiguous after conversion (row-major, or gathered): sum / max
  * / min of each row and A[row] . Br[:, s]. Rows go through the dot four at a time (each
  * Br load serves four rows; absent rows read zeros), but each row's arithmetic is its
@@ -666,54 +734,50 @@ static const float ZEROS[KC];
 static void a_rows(const chk_ctx *c, const char *pa, int64_t rows, const float *br, float *buf, v16 *acc,
                    float *sum, float *hi, float *lo, float *ref) {
     int64_t nseg = c->nseg, padded = (rows + 3) & ~(int64_t)3;
+    /* contiguous rows: the statistics in one pass per row, accumulators in registers;
+     * strided rows: per block of K from the gathered copy */
+    int contig = c->sak == 1;
     v16 s[RB][4], h[RB][4], l[RB][4];
-    for (int64_t r = 0; r < rows; r++) init_stats(s[r], h[r], l[r]);
+    if (contig) {
+        for (int64_t r = 0; r < rows; r++)
+            row_stats(pa + r * c->sam * ESZ[c->adt], c->adt, c->k, &sum[r], &hi[r], &lo[r]);
+    } else {
+        for (int64_t r = 0; r < rows; r++) init_stats(s[r], h[r], l[r]);
+    }
     memset(acc, 0, sizeof(v16) * padded * nseg);
-    int direct = c->adt == DT_F32 && c->sak == 1;
-    const float *x[RB];
+    /* rows read in place (fp32; or bf16 / fp16 converted in registers when few segments
+     * reuse them), else converted once per block into buf */
+    int direct = contig && (c->adt == DT_F32 || nseg <= 2);
+    int xdt = direct ? c->adt : DT_F32;
+    const char *x[RB];
     for (int64_t k0 = 0; k0 < c->k; k0 += KC) {
-        int64_t kc = c->k - k0 < KC ? c->k - k0 : KC, kv = kc & ~(int64_t)15;
+        int64_t kc = c->k - k0 < KC ? c->k - k0 : KC;
         for (int64_t r = 0; r < padded; r++) {
             const char *p = pa + (r * c->sam + k0 * c->sak) * ESZ[c->adt];
             if (r >= rows) {
-                x[r] = ZEROS;
+                x[r] = (const char *)ZEROS; /* zero bytes: 0 in every dtype */
             } else if (direct) {
-                x[r] = (const float *)p;
+                x[r] = p;
             } else {
                 cvt(p, c->adt, c->sak, kc, buf + r * KC);
-                x[r] = buf + r * KC;
+                x[r] = (const char *)(buf + r * KC);
             }
         }
-        for (int64_t r = 0; r < rows; r++) acc_stats(x[r], NULL, kc, s[r], h[r], l[r]);
+        if (!contig)
+            for (int64_t r = 0; r < rows; r++) acc_stats((const float *)x[r], NULL, kc, s[r], h[r], l[r]);
         for (int64_t sg = 0; sg < nseg; sg++) {
             const float *b = br + sg * c->sbrs + k0;
-            for (int64_t r = 0; r < padded; r += 4) {
-                const float *x0 = x[r], *x1 = x[r + 1], *x2 = x[r + 2], *x3 = x[r + 3];
-                v16 *a = acc + r * nseg + 4 * sg;
-                v16 a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
-                for (int64_t i = 0; i < kv; i += 16) {
-                    v16 bv = vld(b + i);
-                    a0 += vld(x0 + i) * bv;
-                    a1 += vld(x1 + i) * bv;
-                    a2 += vld(x2 + i) * bv;
-                    a3 += vld(x3 + i) * bv;
-                }
-                for (int64_t i = kv; i < kc; i++) {
-                    int q = (int)(i & 15);
-                    a0[q] += x0[i] * b[i];
-                    a1[q] += x1[i] * b[i];
-                    a2[q] += x2[i] * b[i];
-                    a3[q] += x3[i] * b[i];
-                }
-                a[0] = a0;
-                a[1] = a1;
-                a[2] = a2;
-                a[3] = a3;
-            }
+            v16 *a = acc + 4 * sg;
+            if (xdt == DT_F32)
+                dot4(x, DT_F32, b, kc, padded, a, nseg);
+            else if (xdt == DT_BF16)
+                dot4(x, DT_BF16, b, kc, padded, a, nseg);
+            else
+                dot4(x, DT_F16, b, kc, padded, a, nseg);
         }
     }
     for (int64_t r = 0; r < rows; r++) {
-        finish_stats(s[r], h[r], l[r], &sum[r], &hi[r], &lo[r]);
+        if (!contig) finish_stats(s[r], h[r], l[r], &sum[r], &hi[r], &lo[r]);
         for (int64_t sg = 0; sg < nseg; sg++) ref[sg * RBMAX + r] = hsum(acc[(r & ~(int64_t)3) * nseg + 4 * sg + (r & 3)]);
     }
 }
@@ -959,7 +1023,6 @@ static int chk_work(void *vctx, int64_t i0, int64_t i1) {
     w.bsum = w.csum + RBMAX * nseg;
     w.babs = w.bsum + RBMAX * nseg;
     int all_ok = 1;
-    float beta_abs = fabsf(c->beta);
     /* n_s * tiny(C) is subnormal for fp32 / bf16 C: computed once per segment here, as a
      * subnormal product costs a microcode assist per (row, segment) */
     w.floor = w.babs + RBMAX * nseg;
@@ -980,6 +1043,12 @@ static int chk_work(void *vctx, int64_t i0, int64_t i1) {
         if (c->bias) {
             const char *pb = c->bias + (b0 * c->sb0 + b1 * c->sb1 + m0 * c->sbm) * ESZ[c->bdt];
             x_block(c, &w, pb, c->bdt, c->sbm, c->sbn, rows, w.bsum, w.babs);
+        }
+        /* padding lanes of the last group of 16 rows: zeros (computed, then dropped) */
+        for (int64_t r = rows; r < ((rows + 15) & ~(int64_t)15); r++) {
+            w.sum[r] = w.hi[r] = w.lo[r] = 0.0f;
+            for (int64_t s = 0; s < nseg; s++)
+                w.ref[s * RBMAX + r] = w.csum[s * RBMAX + r] = w.bsum[s * RBMAX + r] = w.babs[s * RBMAX + r] = 0.0f;
         }
         /* NaN in a row of A: max / min are NaN (torch semantics), found by a rescan */
         for (int64_t r = 0; r < rows; r++)

@@ -20,6 +20,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 from . import backends
@@ -109,6 +110,8 @@ class Guard:
         self._mode: GemmInterceptor | None = None
         self._active = False  #: interception asked for (activate/deactivate)
         self._watching = True  #: the open step's GEMMs are to be seen (the sampler's call)
+        self._paused = False  #: inside an optimizer step known to run no GEMM
+        self._optimizers = OptimizerSteps(self)
         self._step_open = False
         self._warned: set[str] = set()
         self._backend_choice: dict[tuple, Backend] = {}
@@ -231,11 +234,13 @@ class Guard:
         if self._active:
             raise RuntimeError("this Guard is already active")
         self._active = True
+        self._optimizers.install()
         self._sync_mode()
 
     def deactivate(self) -> None:
         """Stop intercepting; an open step stays open."""
         self._active = False
+        self._optimizers.remove()
         self._sync_mode()
 
     @property
@@ -250,7 +255,7 @@ class Guard:
         profiler inside ``protect()``), an unwatched step keeps ours in place rather than
         pop the wrong one, and ``on_gemm`` ignores what it sees.
         """
-        wanted = self._active and self._watching
+        wanted = self._active and self._watching and not self._paused
         if wanted and self._mode is None:
             self._mode = GemmInterceptor(self)
             self._mode.__enter__()
@@ -348,6 +353,55 @@ class Guard:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     # --- end of step ---------------------------------------------------------------------
+
+
+class OptimizerSteps:
+    """Leaves optimizer steps that run no GEMM outside the dispatch mode.
+
+    An SGD or Adam step is elementwise arithmetic over every parameter: on a small model,
+    half of a training step's aten ops, each paying the dispatch mode's Python round trip
+    with nothing to verify. Each optimizer's first watched step is intercepted as usual
+    and its GEMMs counted; one that ran none is from then on stepped with the mode off. One
+    that ran GEMMs (Shampoo, Muon, LBFGS evaluating its closure) stays verified. Global
+    optimizer-step hooks, installed only while the guard is active.
+    """
+
+    def __init__(self, guard: "Guard") -> None:
+        self.guard = guard
+        self._gemmless: weakref.WeakSet = weakref.WeakSet()
+        self._learned: weakref.WeakSet = weakref.WeakSet()
+        self._seen_before: dict[int, int] = {}
+        self._handles: list[Any] = []
+
+    def install(self) -> None:
+        if not self._handles:
+            self._handles = [register_optimizer_step_pre_hook(self._pre),
+                             register_optimizer_step_post_hook(self._post)]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        guard = self.guard
+        if optimizer in self._gemmless:
+            guard._paused = True
+            guard._sync_mode()
+        elif optimizer not in self._learned and guard.intercepting and guard.step_open:
+            self._seen_before[id(optimizer)] = guard.gemms_seen
+
+    def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        guard = self.guard
+        if guard._paused:
+            guard._paused = False
+            guard._sync_mode()
+            return
+        before = self._seen_before.pop(id(optimizer), None)
+        if before is not None and guard.step_open:
+            self._learned.add(optimizer)
+            if guard.gemms_seen == before:
+                self._gemmless.add(optimizer)
 
 
 def _verifiable(gemm: Gemm) -> bool:

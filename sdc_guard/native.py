@@ -145,28 +145,60 @@ def native_weight_side(b: Tensor, checksum_weight: Tensor | None = None, threads
     ext = _load()
     if ext is None or _weight_reason(b, checksum_weight) is not None:
         return weight_side(b, checksum_weight)
+    enc = _encode(ext, b, _checksum32(checksum_weight), _threads(threads, force_threads))
+    if enc is None:
+        return weight_side(b, checksum_weight)
+    return _weight_side_of(b, *enc)
+
+
+def _ws_batch(b: Tensor) -> tuple[int, int] | None:
+    """(batch count, batch stride) of ``b`` for the kernel, or ``None`` (two strides)."""
+    bshape = b.shape[:-2]
+    if len(bshape) <= 1:
+        return (bshape[0], b.stride(0)) if bshape else (1, 0)
+    collapsed = _collapse(bshape, [list(b.stride()[:-2])])
+    assert collapsed is not None
+    (size0, size1), ((s0, s1),) = collapsed
+    if size0 != 1:  # two strides: encode each leading slice by itself would cost more code than it saves
+        return None
+    return size1 * size0, s1
+
+
+def _encode(ext: types.ModuleType, b: Tensor, r: Tensor | None, threads: int) -> tuple[Tensor, float] | None:
+    """The weight side of ``b`` into one new buffer (``_weight_side_of`` takes it apart):
+    ``Br`` [bt, nseg, K], max and min [2, bt, nseg, K], the 8 aggregate planes
+    [8, bt, nseg] (fp32) and ``bad`` [bt, nseg] (bytes); with ``mu_scale``."""
+    bb = _ws_batch(b)
+    if bb is None:
+        return None
+    bt, sbb = bb
+    k, n = b.shape[-2], b.shape[-1]
+    nseg = -(-n // SEGMENT)
+    big, small = bt * nseg * k, bt * nseg
+    buf = torch.empty(4 * (3 * big + 8 * small) + small, dtype=torch.uint8)
+    p = buf.data_ptr()
+    mu_scale = ext.weight_side(
+        b.data_ptr(), _DT[b.dtype], bt, k, n, sbb, b.stride(-2), b.stride(-1),
+        r.data_ptr() if r is not None else 0, p, p + 4 * big, p + 8 * big,
+        p + 12 * big, p + 4 * (3 * big + 8 * small), threads,
+    )
+    return buf, mu_scale
+
+
+def _weight_side_of(b: Tensor, buf: Tensor, mu_scale: float) -> WeightSide:
+    """The ``WeightSide`` of an ``_encode`` buffer: ``br`` segment-major (as ``abft``
+    stores it) and its threshold factors precomputed."""
     k, n = b.shape[-2], b.shape[-1]
     nseg = -(-n // SEGMENT)
     bshape = tuple(b.shape[:-2])
-    if len(bshape) <= 1:
-        bt, sbb = (bshape[0], b.stride(0)) if bshape else (1, 0)
-    else:
-        collapsed = _collapse(bshape, [list(b.stride()[:-2])])
-        assert collapsed is not None
-        (size0, size1), ((s0, s1),) = collapsed
-        if size0 != 1:  # two strides: encode each leading slice by itself would cost more code than it saves
-            return weight_side(b, checksum_weight)
-        bt, sbb = size1 * size0, s1
-    r = _checksum32(checksum_weight)
-    br = torch.empty((*bshape, nseg, k), dtype=torch.float32)
-    extrema = torch.empty((2, bt, nseg, k), dtype=torch.float32)
-    agg = torch.empty((8, *bshape, nseg), dtype=torch.float32)
-    bad = torch.empty((*bshape, nseg), dtype=torch.bool)
-    mu_scale = ext.weight_side(
-        b.data_ptr(), _DT[b.dtype], bt, k, n, sbb, b.stride(-2), b.stride(-1),
-        r.data_ptr() if r is not None else 0, br.data_ptr(), extrema[0].data_ptr(), extrema[1].data_ptr(),
-        agg.data_ptr(), bad.data_ptr(), _threads(threads, force_threads),
-    )
+    big = nseg * k
+    for size in bshape:
+        big *= size
+    small = big // k
+    floats = buf[: 4 * (3 * big + 8 * small)].view(torch.float32)
+    br = floats[:big].view(*bshape, nseg, k)
+    agg = floats[3 * big:].view(8, *bshape, nseg)
+    bad = buf[4 * (3 * big + 8 * small):].view(torch.bool).view(*bshape, nseg)
     widths = _segment_constants(n, b.device)[0]
     ws = WeightSide(br.mT, agg[0], agg[1], agg[2], agg[3], bad, widths, k, n)
     # the factors of the threshold's bracket, computed by the kernel exactly as
@@ -266,7 +298,9 @@ def native_check(req: object, threads: int | None = None, force_threads: bool = 
     """Verify ``req`` (a ``backends.GemmRequest``) in one native call; ``None`` where the
     kernels do not cover it (the caller then runs the torch path).
 
-    Uses ``req.weight`` when given (any backend's encoding), else ``native_weight_side``.
+    Uses ``req.weight`` when given (any backend's encoding), else encodes ``b`` in a
+    scratch buffer first (the same kernel as ``native_weight_side``, without building
+    a ``WeightSide`` unless a segment fails).
     ``threads``: at most this many (default ``torch.get_num_threads()``); the kernel
     uses one below ``PAR_MIN`` elements read unless ``force_threads`` (tests). Never
     writes to an input.
@@ -276,15 +310,34 @@ def native_check(req: object, threads: int | None = None, force_threads: bool = 
         return None
     a, c = req.a, req.c  # type: ignore[attr-defined]
     ws = req.weight  # type: ignore[attr-defined]
-    if ws is None:
-        ws = native_weight_side(req.b, req.checksum_weight)  # type: ignore[attr-defined]
-    prep = _prepared(ws)
+    r = _checksum32(req.checksum_weight)  # type: ignore[attr-defined]
     m, n, k = c.shape[-2], c.shape[-1], a.shape[-1]
     nseg = -(-n // SEGMENT)
+    enc = None
+    if ws is None:
+        # cold: the weight side into one scratch buffer, no WeightSide unless a segment
+        # fails (explain_failures needs one)
+        b = req.b  # type: ignore[attr-defined]
+        if _weight_reason(b, req.checksum_weight) is None:  # type: ignore[attr-defined]
+            enc = _encode(ext, b, r, _threads(threads, force_threads))
+        if enc is None:
+            ws = native_weight_side(b, req.checksum_weight)  # type: ignore[attr-defined]
+    if enc is not None:
+        buf, mu_scale = enc
+        kw = b.shape[-2]
+        big = kw * nseg * (b.numel() // (kw * b.shape[-1]))
+        small = big // kw
+        p = buf.data_ptr()
+        br_ptr, sbrs, flat = p, kw, b.dim() == 2
+        f_mean, f_cross_mu, f_cross_sd, f_spread = (p + 4 * (3 * big + j * small) for j in range(4, 8))
+    else:
+        prep = _prepared(ws)
+        br_ptr, sbrs, flat, mu_scale, kw = prep.br_ptr, prep.sbrs, prep.flat, prep.mu_scale, ws.k
+        f_mean, f_cross_mu, f_cross_sd, f_spread = prep.f_ptrs
     alpha, beta = req.alpha, req.beta  # type: ignore[attr-defined]
     bias = req.bias if req.beta != 0.0 else None  # type: ignore[attr-defined]
     sa, sc = a.stride(), c.stride()
-    if c.dim() == 2 and prep.flat:
+    if c.dim() == 2 and flat:
         batch: tuple[int, ...] = ()
         nb0 = nb1 = 1
         sa0 = sa1 = sc0 = sc1 = sb0 = sb1 = sbr0 = sbr1 = sf0 = sf1 = 0
@@ -304,23 +357,21 @@ def native_check(req: object, threads: int | None = None, force_threads: bool = 
         bias_ptr, bias_dt = bias_v.data_ptr(), _DT[bias_v.dtype]
     else:
         bias_ptr = bias_dt = sbm = sbn = 0
-    r = _checksum32(req.checksum_weight)  # type: ignore[attr-defined]
     shape = (*batch, m, nseg)
     vals = torch.empty((2, *shape), dtype=torch.float32)
     rows = torch.empty((3, *batch, m), dtype=torch.float32)
     flags = torch.empty((2, *shape), dtype=torch.bool)
     c_dtype = c.dtype
     tiny, bias_round = _C_CONST[c_dtype]
-    f_mean, f_cross_mu, f_cross_sd, f_spread = prep.f_ptrs
     all_ok, worst = ext.check(
         m, n, k, nb0, nb1,
         a.data_ptr(), _DT[a.dtype], sa0, sa1, sa[-2], sa[-1],
         c.data_ptr(), _DT[c_dtype], sc0, sc1, sc[-2], sc[-1],
         bias_ptr, bias_dt, sb0, sb1, sbm, sbn,
         r.data_ptr() if r is not None else 0,
-        prep.br_ptr, sbr0, sbr1, prep.sbrs,
+        br_ptr, sbr0, sbr1, sbrs,
         f_mean, f_cross_mu, f_cross_sd, f_spread, sf0, sf1,
-        prep.mu_scale, abs(alpha) * effective_e_max(req.e_max, ws.k, c_dtype),  # type: ignore[attr-defined]
+        mu_scale, abs(alpha) * effective_e_max(req.e_max, kw, c_dtype),  # type: ignore[attr-defined]
         alpha, beta, tiny, bias_round,
         vals.data_ptr(), rows.data_ptr(), flags.data_ptr(),
         _threads(threads, force_threads),
@@ -332,4 +383,6 @@ def native_check(req: object, threads: int | None = None, force_threads: bool = 
     if bias is not None:
         bias_sum, bias_abs = _bias_sums(bias, n, r, beta)
     mu, hi, lo = (t.unsqueeze(-1) for t in rows)
+    if ws is None:
+        ws = _weight_side_of(b, *enc)
     return explain_failures(flags[0], diff, threshold, k, mu, hi, lo, ws, alpha, c_dtype, bias_sum, bias_abs)

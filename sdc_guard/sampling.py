@@ -289,6 +289,10 @@ class Budget:
             seconds = max(costs.step_seconds, 1e-9)
             self._base_seconds = self._ema(self._base_seconds if self._base_measured else None, seconds)
             self._base_measured = True
+        else:
+            # a watched step less its verification bounds the unguarded step from above: a
+            # base learned in a slow spell comes down even if every step is watched
+            self._base_seconds = min(self._base_seconds, max(costs.step_seconds - costs.verify_seconds, 1e-9))
         charge = max(costs.step_seconds - self._base_seconds, costs.verify_seconds) if watched else 0.0
         self._credit -= charge
         self._charged_total += charge

@@ -412,3 +412,48 @@ def test_sampler_state_round_trips() -> None:
     full = Full()
     full.begin_step(4)
     assert full.state_dict() == {"step": 4}
+
+
+class _RecordingSGD(torch.optim.SGD):
+    """SGD that records whether the guard intercepted while it stepped; ``gemm``: also run
+    a GEMM per step (as Shampoo or Muon do), which must then stay verified."""
+
+    def __init__(self, params, guard_box: list, gemm: bool = False) -> None:
+        super().__init__(params, lr=1e-2)
+        self.guard_box, self.gemm, self.intercepting = guard_box, gemm, []
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.intercepting.append(self.guard_box[0].intercepting)
+        if self.gemm:
+            for p in self.param_groups[0]["params"]:
+                if p.grad is not None and p.grad.dim() == 2:
+                    p.grad.copy_(p.grad @ torch.eye(p.grad.shape[1]))
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("gemm", [False, True])
+def test_optimizer_steps_without_gemms_run_outside_the_dispatch_mode(gemm: bool) -> None:
+    """An optimizer's first step is watched; one that ran no GEMM is then stepped with the
+    mode off (half the ops of a small model's step), one that ran GEMMs stays verified."""
+    torch.manual_seed(0)
+    model = MLP()
+    box: list = [None]
+    opt = _RecordingSGD(model.parameters(), box, gemm=gemm)
+    x = torch.randn(4, 16)
+    with sdc_guard.protect(model) as guard:
+        box[0] = guard
+        reports = []
+        for _ in range(3):
+            model(x).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            reports.append(guard.step())
+        assert guard.intercepting  # back on after each optimizer step
+    model_gemms = 2 + 4  # fc1, fc2 forward; their input and weight gradients (fc1 has no input grad)
+    if gemm:
+        assert opt.intercepting == [True, True, True]
+        assert all(r.seen == model_gemms - 1 + 2 and r.verified == r.seen for r in reports)
+    else:
+        assert opt.intercepting == [True, False, False]
+        assert all(r.seen == model_gemms - 1 for r in reports)
