@@ -149,10 +149,12 @@ class Guard:
             self._attempt = last.attempt + 1
         else:
             self._attempt = 0
-            self.cache.set_parameters(self.model.parameters())
             self.sampler.begin_step(self.step_index)
         self._watching = rerun or sampler_watches(self.sampler)
+        self._optimizers.reset()
         if self._watching:
+            if not rerun:
+                self.cache.set_parameters(self.model.parameters())
             self._sites.start()
         self._step_open = True
         self._sync_mode()
@@ -371,6 +373,9 @@ class OptimizerSteps:
         self._gemmless: weakref.WeakSet = weakref.WeakSet()
         self._learned: weakref.WeakSet = weakref.WeakSet()
         self._seen_before: dict[int, int] = {}
+        #: step calls in progress per optimizer: a subclass's step calling its base class's
+        #: step runs the hooks twice, and only the outer call is the optimizer step
+        self._depth: dict[int, int] = {}
         self._handles: list[Any] = []
 
     def install(self) -> None:
@@ -383,7 +388,17 @@ class OptimizerSteps:
             handle.remove()
         self._handles = []
 
+    def reset(self) -> None:
+        """Forget steps in progress: an optimizer step that raised never ran its post-hook."""
+        self._depth.clear()
+        self._seen_before.clear()
+        self.guard._paused = False
+
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        depth = self._depth.get(id(optimizer), 0)
+        self._depth[id(optimizer)] = depth + 1
+        if depth:
+            return
         guard = self.guard
         if optimizer in self._gemmless:
             guard._paused = True
@@ -392,6 +407,10 @@ class OptimizerSteps:
             self._seen_before[id(optimizer)] = guard.gemms_seen
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        depth = self._depth.pop(id(optimizer), 1) - 1
+        if depth:
+            self._depth[id(optimizer)] = depth
+            return
         guard = self.guard
         if guard._paused:
             guard._paused = False
