@@ -1,5 +1,6 @@
 """protect(model): interception, attribution, reports, samplers, weight-side cache."""
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -457,3 +458,26 @@ def test_optimizer_steps_without_gemms_run_outside_the_dispatch_mode(gemm: bool)
     else:
         assert opt.intercepting == [True, False, False]
         assert all(r.seen == model_gemms - 1 for r in reports)
+
+
+def test_an_optimizer_step_that_raises_does_not_leave_interception_off() -> None:
+    class Flaky(torch.optim.SGD):
+        calls = 0
+
+        def step(self, closure=None):
+            Flaky.calls += 1
+            if Flaky.calls == 2:  # raises while the guard has stepped outside the mode
+                raise RuntimeError("optimizer failed")
+            return super().step(closure)
+
+    model = MLP()
+    opt = Flaky(model.parameters(), lr=1e-2)
+    x = torch.randn(4, 16)
+    with sdc_guard.protect(model) as guard:
+        for step in range(3):
+            model(x).sum().backward()
+            with pytest.raises(RuntimeError) if step == 1 else contextlib.nullcontext():
+                opt.step()
+            report = guard.step()
+            assert guard.intercepting, step  # the next step is watched again
+        assert report.seen == 5
