@@ -1,4 +1,4 @@
-"""Build of the optional native CPU backend (``sdc_guard._vabft_cpu``, ``csrc/vabft_cpu.c``).
+"""Build of the optional native CPU backend (``sdc_guard._vabft_cpu``, the C files of ``csrc/``).
 
 Everything else about the package is in ``pyproject.toml``. The extension is plain C (it
 needs neither torch nor numpy to build, so pip's isolated build environment stays small)
@@ -20,12 +20,17 @@ from setuptools import Extension, setup
 
 _DEFAULT_FLAGS = "-O3 -march=native"
 _FIXED_FLAGS = ["-std=gnu11", "-ffp-contract=off", "-fno-math-errno", "-pthread"]
+# one file per concept (csrc/vabft_cpu.h says what each holds); the headers are depends so
+# that editing one rebuilds the extension and an sdist ships them
+_SOURCES = [f"csrc/{name}.c" for name in ("module", "parallel", "weight_side", "check", "check_a", "check_sums")]
+_HEADERS = [f"csrc/{name}.h" for name in ("vabft_cpu", "lanes", "runs", "check")]
 
 setup(
     ext_modules=[
         Extension(
             "sdc_guard._vabft_cpu",
-            sources=["csrc/vabft_cpu.c"],
+            sources=_SOURCES,
+            depends=_HEADERS,
             extra_compile_args=shlex.split(os.environ.get("SDC_GUARD_NATIVE_CFLAGS", _DEFAULT_FLAGS)) + _FIXED_FLAGS,
             extra_link_args=["-pthread"],
             optional=True,

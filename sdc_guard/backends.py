@@ -118,7 +118,7 @@ class TritonBackend(Backend):
 
 
 class CpuBackend(Backend):
-    """Native C kernels for CPU tensors (``sdc_guard.native``, ``csrc/vabft_cpu.c``): one
+    """Native C kernels for CPU tensors (``sdc_guard.native``, ``csrc/``): one
     call per verification where the torch path runs dozens of ops.
 
     Available when the optional extension was built at install time. A call it does not

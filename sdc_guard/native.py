@@ -3,11 +3,11 @@
 Why: the portable torch path (``abft.vabft_check``) costs 30-40 torch ops per check, each
 a few microseconds plus a fork / join of the intra-op threads, and reads the operands in
 several passes; on CPU that is 0.5-1.2 ms per training-sized GEMM where reading the
-operands takes 0.1 ms, and 15 % of a 1 ms decode matmul. The C kernels of
-``csrc/vabft_cpu.c`` (built at install time as ``sdc_guard._vabft_cpu``, optional) read
-``A`` and ``C`` once, and ``B`` once for the weight side, in any layout, with bf16 / fp16
-converted a block at a time, and compute D, T and the verdict of every (row, segment)
-in the same call. What stays in Python is the argument marshalling below, kept to a few
+operands takes 0.1 ms, and 15 % of a 1 ms decode matmul. The C kernels of ``csrc/``
+(``csrc/vabft_cpu.h`` maps its files; built at install time as ``sdc_guard._vabft_cpu``,
+optional) read ``A`` and ``C`` once, and ``B`` once for the weight side, in any layout,
+with bf16 / fp16 converted a block at a time, and compute D, T and the verdict of every
+(row, segment) in the same call. What stays in Python is the argument marshalling below, kept to a few
 microseconds (``tests/test_native.py`` and ``sdc-guard bench overhead`` measure it).
 
 Contract: the same ``AbftCheck`` as the torch backend up to float rounding (the tests

@@ -1,4 +1,4 @@
-"""The native ``cpu`` backend (``sdc_guard.native``, ``csrc/vabft_cpu.c``) against the torch reference.
+"""The native ``cpu`` backend (``sdc_guard.native``, ``csrc/``) against the torch reference.
 
 Agreement is the Triton kernel's contract (``kernels/vabft_triton.py``): identical verdict
 bits, T within ``THRESHOLD_RTOL`` relative, D within ``DIFF_TOL_OF_T * max(T, D)``. Then

@@ -1,0 +1,45 @@
+/*
+ * check.h: what the three files of the check share (check_a.c, check_sums.c, check.c).
+ *
+ * A work item is one block of rows of one batch entry: RB rows when A is row-major (or
+ * strided), RBC rows when A is column-major (read as long streams of RBC elements per
+ * k). For its rows the item computes the statistics of A and the reference checksum
+ * A Br per segment (check_a.c), the segment sums of C and the bias (check_sums.c), then
+ * D, T and the verdicts (check.c), all into one scratch laid out [segment][row], so that
+ * the verdict runs over 16 rows per vector.
+ */
+#ifndef VABFT_CHECK_H
+#define VABFT_CHECK_H
+
+#include "runs.h"
+
+#define KC 256   /* K per block of A (a multiple of 64) */
+#define RB 16    /* rows per work item of the check (row-major A) */
+#define RBC 128  /* rows per work item of the check, column-major A (<= RBMAX) */
+#define KCC 32   /* K per block of a column-major A (a multiple of 16) */
+#define RBMAX 128
+_Static_assert(KCC * RBC <= KC * RB && RBC <= RBMAX && RBC % 16 == 0 && KCC % 16 == 0, "column-major block fits abuf");
+
+/* per-thread scratch of the check, reused by every work item of the thread */
+typedef struct {
+    float *abuf;  /* KC * RB (or KCC * RBC): a converted block of A */
+    float *cbuf;  /* SEG * 16 */
+    v16 *acc;     /* RBMAX * nseg */
+    float *ref, *csum, *bsum, *babs; /* [nseg][RBMAX] each: segment s of row r at s * RBMAX + r */
+    float *floor;                    /* nseg */
+    float sum[RBMAX], hi[RBMAX], lo[RBMAX];
+} scratch;
+
+/* check_a.c: sum / max / min of each of `rows` rows of A at pa, and ref[s * RBMAX + r] =
+ * A[r] . Br[:, s]; row-major / strided A (rows <= RB) or column-major A (rows <= RBC). */
+void vabft_a_rows(const chk_ctx *c, const char *pa, int64_t rows, const float *br, float *buf, v16 *acc,
+                  float *sum, float *hi, float *lo, float *ref);
+void vabft_a_cols(const chk_ctx *c, const char *pa, int64_t rows, const float *br, float *buf, v16 *acc,
+                  float *sum, float *hi, float *lo, float *ref);
+
+/* check_sums.c: segment sums of `rows` rows of X (C or the bias) into out[s * RBMAX + r],
+ * and of |X| into aout when given */
+void vabft_x_block(const chk_ctx *c, scratch *w, const char *px, int dt, int64_t sm, int64_t sn, int64_t rows,
+                   float *out, float *aout);
+
+#endif /* VABFT_CHECK_H */

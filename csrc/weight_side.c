@@ -1,0 +1,206 @@
+/*
+ * weight_side.c: the weight-side encoding of V-ABFT, computed once per weight.
+ *
+ * For B [Bt, K, N]: Br[k, s] = sum over segment s of r[j] B[k, j] with the max and min of
+ * each (k, segment) run (ws_rows for row-major or strided B, ws_cols for a column-major
+ * B such as W.t() of a Linear), then per segment the aggregates of abft.weight_side and
+ * the four threshold factors of WeightSide._factors (ws_aggregate), so that a check
+ * needs nothing of B but these.
+ *
+ * Both layouts reduce each run in the order that runs.h fixes, so Br does not depend on
+ * B's strides; the aggregates run on one thread in k order, so they do not depend on the
+ * thread count.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "runs.h"
+
+#define KCW 1024 /* K per work item of a column-major weight side (a multiple of 16) */
+#define KB 64    /* K rows per work item of a row-major weight side */
+
+/* Row-major (or strided) B: each (k, segment) is one run along N, read in place when fp32
+ * and contiguous, else gathered into buf first; items are KB rows of k. */
+static int ws_rows(void *vctx, int64_t i0, int64_t i1) {
+    ws_ctx *c = (ws_ctx *)vctx;
+    float *buf = NULL;
+    if (!(c->dt == DT_F32 && c->sbn == 1)) {
+        buf = (float *)malloc(SEG * sizeof(float));
+        if (!buf) return -1;
+    }
+    for (int64_t it = i0; it < i1; it++) {
+        int64_t bi = it / c->items_per_batch, k0 = (it % c->items_per_batch) * KB;
+        int64_t k1 = k0 + KB < c->k ? k0 + KB : c->k;
+        for (int64_t k = k0; k < k1; k++) {
+            const char *row = c->b + (bi * c->sbb + k * c->sbk) * ESZ[c->dt];
+            for (int64_t s = 0; s < c->nseg; s++) {
+                int64_t w = seg_width(c->n, s);
+                const char *p = row + s * SEG * c->sbn * ESZ[c->dt];
+                const float *x;
+                if (buf) {
+                    cvt(p, c->dt, c->sbn, w, buf);
+                    x = buf;
+                } else {
+                    x = (const float *)p;
+                }
+                float sum, hi, lo;
+                run_stats(x, c->r ? c->r + s * SEG : NULL, w, &sum, &hi, &lo);
+                if (isnan(sum) && has_nan(p, c->dt, c->sbn, w)) hi = lo = NAN;
+                int64_t o = (bi * c->nseg + s) * c->k + k;
+                c->br[o] = sum;
+                c->hi[o] = hi;
+                c->lo[o] = lo;
+            }
+        }
+    }
+    free(buf);
+    return 1;
+}
+
+/* Column-major B (W.t()): a segment is 256 contiguous runs along K; lanes run along K and
+ * each k sums its 256 values in index order, 16 at a time then into the total. The 16
+ * columns of a chunk are read together, 64 k at a time (16 sequential streams), with the
+ * partial sums, max and min of those k in registers. */
+static int ws_cols(void *vctx, int64_t i0, int64_t i1) {
+    ws_ctx *c = (ws_ctx *)vctx;
+    float *mem = (float *)aligned_alloc(64, 3 * KCW * sizeof(float));
+    if (!mem) return -1;
+    float *tot = mem, *hi = mem + KCW, *lo = mem + 2 * KCW;
+    int64_t kblocks = (c->k + KCW - 1) / KCW, esz = ESZ[c->dt];
+    for (int64_t it = i0; it < i1; it++) {
+        int64_t bi = it / c->items_per_batch, rem = it % c->items_per_batch;
+        int64_t s = rem / kblocks, k0 = (rem % kblocks) * KCW;
+        int64_t kc = c->k - k0 < KCW ? c->k - k0 : KCW, w = seg_width(c->n, s);
+        for (int64_t q = 0; q < KCW; q++) {
+            tot[q] = 0.0f;
+            hi[q] = -INFINITY;
+            lo[q] = INFINITY;
+        }
+        const char *base = c->b + (bi * c->sbb + k0 * c->sbk + s * SEG * c->sbn) * esz;
+        const float *rs = c->r ? c->r + s * SEG : NULL;
+        for (int64_t j0 = 0; j0 < w; j0 += 16) {
+            int64_t j1 = j0 + 16 < w ? j0 + 16 : w;
+            int64_t q0 = 0;
+            for (; q0 + 64 <= kc; q0 += 64) {
+                v16 p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
+                v16 h0 = vld(hi + q0), h1 = vld(hi + q0 + 16), h2 = vld(hi + q0 + 32), h3 = vld(hi + q0 + 48);
+                v16 l0 = vld(lo + q0), l1 = vld(lo + q0 + 16), l2 = vld(lo + q0 + 32), l3 = vld(lo + q0 + 48);
+                for (int64_t j = j0; j < j1; j++) {
+                    const char *p = base + (j * c->sbn + q0) * esz;
+                    v16 v0 = load16(p, c->dt, 16), v1 = load16(p + 16 * esz, c->dt, 16);
+                    v16 v2 = load16(p + 32 * esz, c->dt, 16), v3 = load16(p + 48 * esz, c->dt, 16);
+                    if (rs) {
+                        v16 rj = splat(rs[j]);
+                        v0 = v0 * rj;
+                        v1 = v1 * rj;
+                        v2 = v2 * rj;
+                        v3 = v3 * rj;
+                    }
+                    p0 += v0;
+                    p1 += v1;
+                    p2 += v2;
+                    p3 += v3;
+                    h0 = vmax(v0, h0);
+                    h1 = vmax(v1, h1);
+                    h2 = vmax(v2, h2);
+                    h3 = vmax(v3, h3);
+                    l0 = vmin(v0, l0);
+                    l1 = vmin(v1, l1);
+                    l2 = vmin(v2, l2);
+                    l3 = vmin(v3, l3);
+                }
+                vst(tot + q0, vld(tot + q0) + p0);
+                vst(tot + q0 + 16, vld(tot + q0 + 16) + p1);
+                vst(tot + q0 + 32, vld(tot + q0 + 32) + p2);
+                vst(tot + q0 + 48, vld(tot + q0 + 48) + p3);
+                vst(hi + q0, h0);
+                vst(hi + q0 + 16, h1);
+                vst(hi + q0 + 32, h2);
+                vst(hi + q0 + 48, h3);
+                vst(lo + q0, l0);
+                vst(lo + q0 + 16, l1);
+                vst(lo + q0 + 32, l2);
+                vst(lo + q0 + 48, l3);
+            }
+            for (; q0 < kc; q0 += 16) {
+                int64_t n = kc - q0 < 16 ? kc - q0 : 16;
+                v16 p0 = {0}, h0 = vld(hi + q0), l0 = vld(lo + q0);
+                for (int64_t j = j0; j < j1; j++) {
+                    v16 v0 = load16(base + (j * c->sbn + q0) * esz, c->dt, n);
+                    if (rs) v0 = v0 * splat(rs[j]);
+                    p0 += v0;
+                    h0 = vmax(v0, h0);
+                    l0 = vmin(v0, l0);
+                }
+                vst(tot + q0, vld(tot + q0) + p0);
+                vst(hi + q0, h0);
+                vst(lo + q0, l0);
+            }
+        }
+        float *obr = c->br + (bi * c->nseg + s) * c->k + k0;
+        float *ohi = c->hi + (bi * c->nseg + s) * c->k + k0;
+        float *olo = c->lo + (bi * c->nseg + s) * c->k + k0;
+        for (int64_t q = 0; q < kc; q++) {
+            obr[q] = tot[q];
+            ohi[q] = hi[q];
+            olo[q] = lo[q];
+            if (isnan(tot[q]) && has_nan(base + q * c->sbk * esz, c->dt, c->sbn, w)) ohi[q] = olo[q] = NAN;
+        }
+    }
+    free(mem);
+    return 1;
+}
+
+/* Per segment: the aggregates of abft.weight_side and the factors of WeightSide._factors.
+ * Sums over k run in double, in k order (one thread: the result does not depend on the
+ * thread count). agg is [9][bt][nseg]: p1, p2, v, col_norm, f_mean, f_cross_mu,
+ * f_cross_sd, f_spread, and bad as 0 / 1 in the last plane. Returns mu_scale. */
+static float ws_aggregate(const ws_ctx *c, float *agg, uint8_t *bad) {
+    int64_t plane = c->bt * c->nseg;
+    float *p1o = agg, *p2o = agg + plane, *vo = agg + 2 * plane, *cno = agg + 3 * plane;
+    float *fm = agg + 4 * plane, *fcm = agg + 5 * plane, *fcs = agg + 6 * plane, *fsp = agg + 7 * plane;
+    int overflow = 0;
+    for (int64_t bi = 0; bi < c->bt; bi++) {
+        for (int64_t s = 0; s < c->nseg; s++) {
+            int64_t o = bi * c->nseg + s;
+            const float *br = c->br + o * c->k, *hi = c->hi + o * c->k, *lo = c->lo + o * c->k;
+            float w = (float)seg_width(c->n, s);
+            double p1 = 0, p2 = 0, v = 0, cn = 0;
+            for (int64_t k = 0; k < c->k; k++) {
+                float mu = br[k] / w;
+                float var = fabsf((hi[k] - mu) * (mu - lo[k]));
+                float m = (isnan(hi[k]) || isnan(lo[k])) ? NAN : (hi[k] > -lo[k] ? hi[k] : -lo[k]);
+                p1 += fabsf(mu);
+                p2 += mu * mu;
+                v += var;
+                cn += m * m;
+            }
+            float P1 = (float)p1, P2 = (float)p2, V = (float)v;
+            p1o[o] = P1;
+            p2o[o] = P2;
+            vo[o] = V;
+            cno[o] = sqrtf((float)cn);
+            bad[o] = !(isfinite(P1) && isfinite(V));
+            float sqrt_n = sqrtf(w), sqrt_v = sqrtf(V);
+            fm[o] = w * P1;
+            if (!isfinite(fm[o])) overflow = 1;
+            fcm[o] = (4.0f * sqrt_n) * sqrt_v;
+            fcs[o] = (4.0f * w) * sqrtf(P2);
+            fsp[o] = sqrt_n * sqrt_v;
+        }
+    }
+    if (!overflow) return 1.0f;
+    /* n_s P1 overflowed somewhere: VABFT.md's order, (256 |muA|) (P1 n_s / 256) */
+    for (int64_t o = 0; o < plane; o++) fm[o] = p1o[o] * ((float)seg_width(c->n, o % c->nseg) / (float)SEG);
+    return (float)SEG;
+}
+
+int vabft_weight_side(ws_ctx *c, float *agg, uint8_t *bad, int threads, float *mu_scale) {
+    /* column-major: runs along K (W.t() of a Linear); else rows of B, gathered if strided */
+    c->colwise = c->sbk == 1 && c->sbn != 1 && c->k > 1;
+    c->items_per_batch = c->colwise ? c->nseg * ((c->k + KCW - 1) / KCW) : (c->k + KB - 1) / KB;
+    threads = vabft_threads(threads, c->bt * c->k * c->n);
+    int rc = vabft_parallel(c->colwise ? ws_cols : ws_rows, c, c->bt * c->items_per_batch, threads);
+    *mu_scale = rc < 0 ? 0.0f : ws_aggregate(c, agg, bad);
+    return rc;
+}
