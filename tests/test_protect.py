@@ -481,3 +481,29 @@ def test_an_optimizer_step_that_raises_does_not_leave_interception_off() -> None
             report = guard.step()
             assert guard.intercepting, step  # the next step is watched again
         assert report.seen == 5
+
+
+def test_budget_charges_interception_and_recovers_from_a_slow_warm_up() -> None:
+    """Driven by exact step costs (no clock): a sweep costs its verification plus the
+    interception it adds, the long-run charge is the budget, and a base step time learned
+    during a slow warm-up comes down although the next steps are all watched."""
+    from sdc_guard.sampling import StepCosts
+
+    site = ("fc", "forward", "mm")
+    base, verify, intercept = 0.100, 0.050, 0.020  # seconds: unguarded step, sweep, mode
+    sampler = Budget(0.1, warmup=1)
+    sampler.begin_step(0)
+    assert sampler.watches_step()
+    sampler.end_step(StepCosts(0, 1.0, verify, {site: verify}, {site: 1}))  # a slow spell
+    watched = []
+    for step in range(1, 71):
+        sampler.begin_step(step)
+        watched.append(sampler.watches_step())
+        if watched[-1]:
+            sampler.end_step(StepCosts(step, base + intercept + verify, verify, {site: verify}, {site: 1}))
+        else:
+            sampler.end_step(StepCosts(step, base, 0.0))
+    # a sweep costs 0.07 s of a 0.1 s step: at a 10 % budget, one step in 7 is watched
+    assert 8 <= sum(watched) <= 12, watched
+    assert abs(sampler.achieved_overhead - 0.1) < 0.02
+    assert sampler.coverage(window=8) == 1.0
