@@ -10,6 +10,7 @@
  */
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "check.h"
 
@@ -23,6 +24,7 @@ static inline v16 vsqrt(v16 x) {
     return x;
 #endif
 }
+typedef uint8_t v16b __attribute__((vector_size(16)));
 static inline v16 vsel(v16i m, v16 a, v16 b) { return (v16)((m & (v16i)a) | (~m & (v16i)b)); }
 static inline v16i visnan(v16 x) { return x != x; }
 static inline v16i visinf(v16 x) { return vabs(x) == splat(INFINITY); }
@@ -49,19 +51,27 @@ static inline v16 vhypot(v16 x, v16 y) {
 static int chk_rows(const chk_ctx *c, const scratch *w, int64_t rows, int64_t row0, const float *fm,
                     const float *fcm, const float *fcs, const float *fsp, float *worst_out) {
     int64_t nseg = c->nseg;
-    int all_ok = 1;
+    v16i all_ok = splat(0.0f) == splat(0.0f); /* lanes of present rows: every segment good */
     v16 worst = splat(0.0f);
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     const v16 kf = splat((float)c->k), alpha = splat(c->alpha), beta = splat(c->beta);
     const v16 beta_abs = splat(fabsf(c->beta)), bias_round = splat(c->bias_round);
     const v16 mu_scale = splat(c->mu_scale), scale = splat(c->scale), inf = splat(INFINITY);
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         int64_t nr = rows - r0 < 16 ? rows - r0 : 16;
+        const v16i present = lane < (int32_t)nr;
         v16 mu = vld(w->sum + r0) / kf, hi = vld(w->hi + r0), lo = vld(w->lo + r0);
         v16 sd = vsqrt(vabs((hi - mu) * (mu - lo))), mua = vabs(mu);
-        for (int64_t j = 0; j < nr; j++) {
-            c->mu[row0 + r0 + j] = mu[j];
-            c->hi[row0 + r0 + j] = hi[j];
-            c->lo[row0 + r0 + j] = lo[j];
+        if (nr == 16) {
+            vst(c->mu + row0 + r0, mu);
+            vst(c->hi + row0 + r0, hi);
+            vst(c->lo + row0 + r0, lo);
+        } else {
+            for (int64_t j = 0; j < nr; j++) {
+                c->mu[row0 + r0 + j] = mu[j];
+                c->hi[row0 + r0 + j] = hi[j];
+                c->lo[row0 + r0 + j] = lo[j];
+            }
         }
         v16 mus = mua * mu_scale;
         for (int64_t s = 0; s < nseg; s++) {
@@ -79,20 +89,31 @@ static int chk_rows(const chk_ctx *c, const scratch *w, int64_t rows, int64_t ro
             v16i okv = (d <= t) & (d < inf);
             v16i good = okv & (vabs(t) < inf);
             v16 ratio = d / t;
-            v16i gt = ratio > worst;
-            for (int64_t j = 0; j < nr; j++) {
-                int64_t o = (row0 + r0 + j) * nseg + s;
-                c->diff[o] = d[j];
-                c->thr[o] = t[j];
-                c->ok[o] = (uint8_t)(okv[j] != 0);
-                c->zero[o] = 0;
-                all_ok = all_ok && good[j];
-                if (gt[j]) worst[j] = ratio[j];
+            /* lane-wise, no scalar writes into a vector that is read back whole */
+            worst = vsel((ratio > worst) & present, ratio, worst);
+            all_ok &= good | ~present;
+            if (nseg == 1 && nr == 16) { /* [rows][1]: 16 consecutive values */
+                int64_t o = row0 + r0;
+                vst(c->diff + o, d);
+                vst(c->thr + o, t);
+                v16b okb = __builtin_convertvector(-okv, v16b);
+                memcpy(c->ok + o, &okb, 16);
+                memset(c->zero + o, 0, 16);
+            } else {
+                for (int64_t j = 0; j < nr; j++) {
+                    int64_t o = (row0 + r0 + j) * nseg + s;
+                    c->diff[o] = d[j];
+                    c->thr[o] = t[j];
+                    c->ok[o] = (uint8_t)(okv[j] != 0);
+                    c->zero[o] = 0;
+                }
             }
         }
     }
     *worst_out = hmax(worst);
-    return all_ok;
+    for (int j = 0; j < 16; j++)
+        if (!all_ok[j]) return 0;
+    return 1;
 }
 
 /* Work items [i0, i1) on one thread (a work_fn of parallel.c), one scratch for all of
@@ -102,12 +123,13 @@ static int chk_work(void *vctx, int64_t i0, int64_t i1) {
     scratch w;
     int64_t nseg = c->nseg;
     size_t per = (size_t)RBMAX * nseg * sizeof(float);
-    char *mem = (char *)aligned_alloc(64, KC * RB * 4 + SEG * 16 * 4 + RBMAX * nseg * sizeof(v16) + 4 * per + nseg * sizeof(float) + 256);
+    char *mem = (char *)aligned_alloc(64, ABUF * 4 + SEG * 16 * 4 + ACCN * nseg * sizeof(v16) + 32 * nseg * sizeof(v16) + 4 * per + nseg * sizeof(float) + 256);
     if (!mem) return -1;
     w.abuf = (float *)mem;
-    w.cbuf = w.abuf + KC * RB;
+    w.cbuf = w.abuf + ABUF;
     w.acc = (v16 *)(w.cbuf + SEG * 16);
-    w.ref = (float *)(w.acc + RBMAX * nseg);
+    w.xvec = w.acc + ACCN * nseg;
+    w.ref = (float *)(w.xvec + 32 * nseg);
     w.csum = w.ref + RBMAX * nseg;
     w.bsum = w.csum + RBMAX * nseg;
     w.babs = w.bsum + RBMAX * nseg;

@@ -15,16 +15,19 @@
 
 #define KC 256   /* K per block of A (a multiple of 64) */
 #define RB 16    /* rows per work item of the check (row-major A) */
-#define RBC 128  /* rows per work item of the check, column-major A (<= RBMAX) */
-#define KCC 32   /* K per block of a column-major A (a multiple of 16) */
-#define RBMAX 128
-_Static_assert(KCC * RBC <= KC * RB && RBC <= RBMAX && RBC % 16 == 0 && KCC % 16 == 0, "column-major block fits abuf");
+#define RBC 512  /* rows per work item of the check, column-major A (<= RBMAX): 2 KiB runs per k in fp32 */
+#define KCC 16   /* K per block of a column-major A (a multiple of 16) */
+#define RBMAX 512
+#define ABUF (KC * RB > KCC * RBC ? KC * RB : KCC * RBC) /* floats of abuf */
+#define ACCN (RB > RBC / 16 ? RB : RBC / 16) /* accumulator vectors per segment */
+_Static_assert(RBC <= RBMAX && RBC % 16 == 0 && KCC % 16 == 0, "column-major blocks of whole vectors");
 
 /* per-thread scratch of the check, reused by every work item of the thread */
 typedef struct {
-    float *abuf;  /* KC * RB (or KCC * RBC): a converted block of A */
+    float *abuf;  /* ABUF: a converted block of A (KC * RB, or KCC * RBC) */
     float *cbuf;  /* SEG * 16 */
-    v16 *acc;     /* RBMAX * nseg */
+    v16 *acc;     /* ACCN * nseg */
+    v16 *xvec;    /* 2 * 16 * nseg: per-run vectors of the segment sums of C and the bias */
     float *ref, *csum, *bsum, *babs; /* [nseg][RBMAX] each: segment s of row r at s * RBMAX + r */
     float *floor;                    /* nseg */
     float sum[RBMAX], hi[RBMAX], lo[RBMAX];

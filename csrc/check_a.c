@@ -4,10 +4,12 @@
  * For each row: sum / max / min (the row statistics the threshold and the non-finite
  * classification need) and the reference checksum A[row] . Br[:, s] of every segment,
  * from the same read of A. Row-major A (a_rows) reads each row as a contiguous run,
- * four rows per Br load; column-major A (a_cols, e.g. a weight gradient grad_out.t())
- * reads KCC long runs of up to RBC rows per block instead of hundreds of short strided
- * ones. Each row's arithmetic is its own (one lane or accumulator per row, in k order),
- * so it does not depend on the block's other rows, on M or on the layout's blocking.
+ * four rows per Br load, and reduces 16 rows' accumulators at once (lanes.h hsum16);
+ * column-major A (a_cols, e.g. a weight gradient grad_out.t()) reads KCC long runs of up
+ * to RBC rows per block instead of hundreds of short strided ones, each vector of A
+ * loaded once for the statistics and every segment's dot (cols_fused, up to 4 segments).
+ * Each row's arithmetic is its own (one lane or accumulator per row, in k order), so it
+ * does not depend on the block's other rows, on M or on the layout's blocking.
  */
 #include <math.h>
 #include <string.h>
@@ -17,10 +19,11 @@
 /* the absent rows of a group of four read these (zero bytes: 0 in every dtype) */
 static const float ZEROS[KC];
 
-/* sum / max / min of a contiguous run p[0..k) of dtype dt, converted in registers: the
- * same lane assignment and order as acc_stats over consecutive KC blocks (KC is a
- * multiple of 64), with the 12 accumulators in registers for the whole run. */
-static void row_stats(const char *p, int dt, int64_t k, float *sum, float *hi, float *lo) {
+/* sum / max / min of a contiguous run p[0..k) of dtype dt, converted in registers, as
+ * vectors for finish16: the same lane assignment and order as acc_stats over consecutive
+ * KC blocks (KC is a multiple of 64), with the 12 accumulators in registers for the
+ * whole run. */
+static void row_stats(const char *p, int dt, int64_t k, v16 *sum, v16 *hi, v16 *lo) {
     int64_t esz = ESZ[dt], i = 0;
     v16 S[4], H[4], L[4];
     v16 s0 = splat(0.0f), s1 = s0, s2 = s0, s3 = s0;
@@ -51,7 +54,7 @@ static void row_stats(const char *p, int dt, int64_t k, float *sum, float *hi, f
         cvt(p + i * esz, dt, 1, k - i, tmp);
         acc_stats(tmp, NULL, k - i, S, H, L);
     }
-    finish_stats(S, H, L, sum, hi, lo);
+    comb_stats(S, H, L, sum, hi, lo);
 }
 
 /* acc[r * nseg + (r & 3)] += x[r][0..kc) * b (lane i % 16, in i order) for rows r < padded,
@@ -93,12 +96,14 @@ void vabft_a_rows(const chk_ctx *c, const char *pa, int64_t rows, const float *b
                   float *sum, float *hi, float *lo, float *ref) {
     int64_t nseg = c->nseg, padded = (rows + 3) & ~(int64_t)3;
     /* contiguous rows: the statistics in one pass per row, accumulators in registers;
-     * strided rows: per block of K from the gathered copy */
+     * strided rows: per block of K from the gathered copy. Either way each row ends as
+     * three vectors, reduced 16 rows at once (absent rows: zeros, dropped later). */
     int contig = c->sak == 1;
-    v16 s[RB][4], h[RB][4], l[RB][4];
+    v16 s[RB][4], h[RB][4], l[RB][4], vs[16], vh[16], vl[16];
+    for (int64_t r = rows; r < 16; r++) vs[r] = vh[r] = vl[r] = splat(0.0f);
     if (contig) {
         for (int64_t r = 0; r < rows; r++)
-            row_stats(pa + r * c->sam * ESZ[c->adt], c->adt, c->k, &sum[r], &hi[r], &lo[r]);
+            row_stats(pa + r * c->sam * ESZ[c->adt], c->adt, c->k, &vs[r], &vh[r], &vl[r]);
     } else {
         for (int64_t r = 0; r < rows; r++) init_stats(s[r], h[r], l[r]);
     }
@@ -134,17 +139,69 @@ void vabft_a_rows(const chk_ctx *c, const char *pa, int64_t rows, const float *b
                 dot4(x, DT_F16, b, kc, padded, a, nseg);
         }
     }
-    for (int64_t r = 0; r < rows; r++) {
-        if (!contig) finish_stats(s[r], h[r], l[r], &sum[r], &hi[r], &lo[r]);
-        for (int64_t sg = 0; sg < nseg; sg++) ref[sg * RBMAX + r] = hsum(acc[(r & ~(int64_t)3) * nseg + 4 * sg + (r & 3)]);
+    if (!contig)
+        for (int64_t r = 0; r < rows; r++) comb_stats(s[r], h[r], l[r], &vs[r], &vh[r], &vl[r]);
+    if (rows < 4) { /* a row or two (decoding): one tree each, the same values */
+        for (int64_t r = 0; r < rows; r++) {
+            sum[r] = hsum(vs[r]);
+            hi[r] = hmax(vh[r]);
+            lo[r] = hmin(vl[r]);
+            for (int64_t sg = 0; sg < nseg; sg++) ref[sg * RBMAX + r] = hsum(acc[4 * sg + r]);
+        }
+        return;
     }
+    finish16(vs, vh, vl, sum, hi, lo);
+    for (int64_t sg = 0; sg < nseg; sg++) {
+        for (int64_t r = 0; r < rows; r++) vs[r] = acc[(r & ~(int64_t)3) * nseg + 4 * sg + (r & 3)];
+        vst(ref + sg * RBMAX, hsum16(vs));
+    }
+}
+
+/* One group of 16 rows of a column-major block (x[q * ld], q < kc) for NS segments at
+ * once: each vector of A is loaded once and feeds the statistics and every segment's dot.
+ * The same operations in the same order as the unfused loops of vabft_a_cols (per block
+ * of 16 k: four interleaved partials, then into the total). */
+static inline __attribute__((always_inline)) void cols_fused(const float *x, int64_t ld, int64_t kc,
+                                                             const float *b, int64_t sbrs, int NS, v16 *t,
+                                                             v16 *hg, v16 *lg, v16 *acc) {
+    v16 tt = *t, hh = *hg, ll = *lg, a[4];
+    for (int s = 0; s < NS; s++) a[s] = acc[s];
+    for (int64_t q0 = 0; q0 < kc; q0 += 16) {
+        int64_t q1 = q0 + 16 < kc ? q0 + 16 : kc;
+        v16 p0 = splat(0.0f), p1 = p0, p2 = p0, p3 = p0, d0[4], d1[4], d2[4], d3[4];
+        for (int s = 0; s < NS; s++) d0[s] = d1[s] = d2[s] = d3[s] = splat(0.0f);
+#define FUSED(pj, dj, q)                                                      \
+    {                                                                         \
+        v16 v = vld(x + ld * (q));                                            \
+        pj += v;                                                              \
+        hh = vmax(v, hh);                                                     \
+        ll = vmin(v, ll);                                                     \
+        for (int s = 0; s < NS; s++) dj[s] += v * splat(b[s * sbrs + (q)]); \
+    }
+        int64_t q = q0;
+        for (; q + 4 <= q1; q += 4) {
+            FUSED(p0, d0, q) FUSED(p1, d1, q + 1) FUSED(p2, d2, q + 2) FUSED(p3, d3, q + 3)
+        }
+        if (q < q1) FUSED(p0, d0, q)
+        if (q + 1 < q1) FUSED(p1, d1, q + 1)
+        if (q + 2 < q1) FUSED(p2, d2, q + 2)
+#undef FUSED
+        tt += (p0 + p1) + (p2 + p3);
+        for (int s = 0; s < NS; s++) a[s] += (d0[s] + d1[s]) + (d2[s] + d3[s]);
+    }
+    *t = tt;
+    *hg = hh;
+    *lg = ll;
+    for (int s = 0; s < NS; s++) acc[s] = a[s];
 }
 
 /* R <= RBC rows of a column-major A (stride 1 along M): lane r % 16 of group r / 16 is row
  * r; each row sums in k order, 4 interleaved partials per block of 16 k (k0 a multiple of
- * 16), then into the total. A block of KCC k is read as KCC contiguous runs of R elements
- * (one stream, whatever the row count) into buf[q][RBC]; the groups then work from buf.
- * A row's arithmetic depends neither on R nor on its group. */
+ * 16), then into the total. A block of KCC k is KCC contiguous runs of R elements: read
+ * in place (fp32, R a multiple of 16) or converted into buf[q][RBC] (zeros past R), the
+ * same values either way. Up to 4 segments, one pass per group (cols_fused); more, a
+ * pass for the statistics and one per segment. A row's arithmetic depends neither on R,
+ * on its group nor on the path. */
 void vabft_a_cols(const chk_ctx *c, const char *pa, int64_t rows, const float *br, float *buf, v16 *acc,
                   float *sum, float *hi, float *lo, float *ref) {
     /* c's fields in locals: the stores into buf and acc could alias *c, and reloading them
@@ -158,24 +215,45 @@ void vabft_a_cols(const chk_ctx *c, const char *pa, int64_t rows, const float *b
         l[g] = splat(INFINITY);
     }
     memset(acc, 0, sizeof(v16) * ng * nseg);
+    /* fp32 is read in place (ld: the distance between consecutive k) when the rows fill
+     * whole vectors; bf16 / fp16 and a partial last vector go through buf[q][RBC], a
+     * block at a time */
+    const int direct = adt == DT_F32 && rows % 16 == 0;
+    const int64_t ld = direct ? sak : RBC;
     for (int64_t k0 = 0; k0 < k; k0 += KCC) {
         int64_t kc = k - k0 < KCC ? k - k0 : KCC;
-        for (int64_t q = 0; q < kc; q++) {
+        const float *xb = direct ? (const float *)(pa + k0 * sak * esz) : buf;
+        for (int64_t q = 0; q < kc && !direct; q++) {
             const char *p = pa + (k0 + q) * sak * esz;
             for (int64_t g = 0; g < ng; g++) {
                 int64_t n = rows - 16 * g;
                 vst(buf + RBC * q + 16 * g, load16(p + 16 * g * esz, adt, n < 16 ? n : 16));
             }
         }
+        if (nseg <= 4) {
+            const float *b = br + k0;
+            for (int64_t g = 0; g < ng; g++) {
+                v16 *t = &tot[g], *hg = &h[g], *lg = &l[g], *a = acc + g * nseg;
+                if (nseg == 1)
+                    cols_fused(xb + 16 * g, ld, kc, b, sbrs, 1, t, hg, lg, a);
+                else if (nseg == 2)
+                    cols_fused(xb + 16 * g, ld, kc, b, sbrs, 2, t, hg, lg, a);
+                else if (nseg == 3)
+                    cols_fused(xb + 16 * g, ld, kc, b, sbrs, 3, t, hg, lg, a);
+                else
+                    cols_fused(xb + 16 * g, ld, kc, b, sbrs, 4, t, hg, lg, a);
+            }
+            continue;
+        }
         for (int64_t g = 0; g < ng; g++) {
-            const float *x = buf + 16 * g;
+            const float *x = xb + 16 * g;
             v16 t = tot[g], hg = h[g], lg = l[g];
             for (int64_t q0 = 0; q0 < kc; q0 += 16) {
                 int64_t q1 = q0 + 16 < kc ? q0 + 16 : kc;
                 v16 p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
 #define COL(pj, q)                        \
     {                                     \
-        v16 v = vld(x + RBC * (q));       \
+        v16 v = vld(x + ld * (q));       \
         pj += v;                          \
         hg = vmax(v, hg);                 \
         lg = vmin(v, lg);                 \
@@ -201,14 +279,14 @@ void vabft_a_cols(const chk_ctx *c, const char *pa, int64_t rows, const float *b
                     v16 p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
                     int64_t q = q0;
                     for (; q + 4 <= q1; q += 4) {
-                        p0 += vld(x + RBC * q) * splat(b[q]);
-                        p1 += vld(x + RBC * (q + 1)) * splat(b[q + 1]);
-                        p2 += vld(x + RBC * (q + 2)) * splat(b[q + 2]);
-                        p3 += vld(x + RBC * (q + 3)) * splat(b[q + 3]);
+                        p0 += vld(x + ld * q) * splat(b[q]);
+                        p1 += vld(x + ld * (q + 1)) * splat(b[q + 1]);
+                        p2 += vld(x + ld * (q + 2)) * splat(b[q + 2]);
+                        p3 += vld(x + ld * (q + 3)) * splat(b[q + 3]);
                     }
-                    if (q < q1) p0 += vld(x + RBC * q) * splat(b[q]);
-                    if (q + 1 < q1) p1 += vld(x + RBC * (q + 1)) * splat(b[q + 1]);
-                    if (q + 2 < q1) p2 += vld(x + RBC * (q + 2)) * splat(b[q + 2]);
+                    if (q < q1) p0 += vld(x + ld * q) * splat(b[q]);
+                    if (q + 1 < q1) p1 += vld(x + ld * (q + 1)) * splat(b[q + 1]);
+                    if (q + 2 < q1) p2 += vld(x + ld * (q + 2)) * splat(b[q + 2]);
                     a += (p0 + p1) + (p2 + p3);
                 }
                 acc[g * nseg + sg] = a;

@@ -7,26 +7,52 @@
  * the rounding floor). A row-major X sums each segment as a contiguous run (runs.h
  * order); a column-major X (stride 1 along M) puts one row per lane and sums 16 rows at
  * once in column order, reading 16 consecutive rows per column instead of one element
- * per cache line.
+ * per cache line. A bias broadcast along M (row stride 0) is summed once per item.
  */
 #include <stddef.h>
 
 #include "check.h"
 
-/* Segment sums of r * X over one row (stride sx along N): out[s * RBMAX], and of |r * X| in aout. */
-static void x_row(const chk_ctx *c, const char *px, int dt, int64_t sx, float *buf, float *out, float *aout) {
+/* Segment sums of r * X over R <= 16 rows (row stride sm, stride sx along N):
+ * out[s * RBMAX + r], and of |r * X| in aout. Rows are read in order, each (row,
+ * segment) run into four accumulators (runs.h order) combined into one vector (vec:
+ * [2][nseg][16]), then per segment the 16 rows reduce at once (16 lanes stored: absent
+ * rows get 0; fewer than 4 rows, only theirs, one tree each). */
+static void x_rows(const chk_ctx *c, const char *px, int dt, int64_t sm, int64_t sx, int64_t rows, float *buf,
+                   v16 *vec, float *out, float *aout) {
     int direct = dt == DT_F32 && sx == 1;
-    for (int64_t s = 0; s < c->nseg; s++) {
-        int64_t w = seg_width(c->n, s);
-        const char *p = px + s * SEG * sx * ESZ[dt];
-        const float *x;
-        if (direct) {
-            x = (const float *)p;
-        } else {
-            cvt(p, dt, sx, w, buf);
-            x = buf;
+    int64_t nseg = c->nseg;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t s = 0; s < nseg; s++) {
+            v16 *vs = vec + s * 16, *va = vs + 16 * nseg;
+            int64_t w = seg_width(c->n, s);
+            const char *p = px + (r * sm + s * SEG * sx) * ESZ[dt];
+            const float *x;
+            if (direct) {
+                x = (const float *)p;
+            } else {
+                cvt(p, dt, sx, w, buf);
+                x = buf;
+            }
+            v16 S[4] = {{0}}, A[4] = {{0}};
+            acc_sum(x, c->r ? c->r + s * SEG : NULL, w, S, aout ? A : NULL);
+            vs[r] = comb4(S);
+            va[r] = comb4(A);
         }
-        run_sum(x, c->r ? c->r + s * SEG : NULL, w, &out[s * RBMAX], aout ? &aout[s * RBMAX] : NULL);
+    }
+    if (rows < 4) { /* a row or two (decoding): one tree each, the same values */
+        for (int64_t s = 0; s < nseg; s++)
+            for (int64_t r = 0; r < rows; r++) {
+                out[s * RBMAX + r] = hsum(vec[s * 16 + r]);
+                if (aout) aout[s * RBMAX + r] = hsum(vec[(nseg + s) * 16 + r]);
+            }
+        return;
+    }
+    for (int64_t s = 0; s < nseg; s++) {
+        v16 *vs = vec + s * 16, *va = vs + 16 * nseg;
+        for (int64_t r = rows; r < 16; r++) vs[r] = va[r] = splat(0.0f);
+        vst(out + s * RBMAX, hsum16(vs));
+        if (aout) vst(aout + s * RBMAX, hsum16(va));
     }
 }
 
@@ -73,6 +99,16 @@ void vabft_x_block(const chk_ctx *c, scratch *w, const char *px, int dt, int64_t
                    aout ? aout + r0 : NULL);
         return;
     }
-    for (int64_t r = 0; r < rows; r++)
-        x_row(c, px + r * sm * ESZ[dt], dt, sn, w->cbuf, out + r, aout ? aout + r : NULL);
+    if (sm == 0) { /* one row broadcast (a bias vector): its sums once */
+        x_rows(c, px, dt, 0, sn, 1, w->cbuf, w->xvec, out, aout);
+        for (int64_t s = 0; s < c->nseg; s++)
+            for (int64_t r = 1; r < rows; r++) {
+                out[s * RBMAX + r] = out[s * RBMAX];
+                if (aout) aout[s * RBMAX + r] = aout[s * RBMAX];
+            }
+        return;
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += 16)
+        x_rows(c, px + r0 * sm * ESZ[dt], dt, sm, sn, rows - r0 < 16 ? rows - r0 : 16, w->cbuf, w->xvec, out + r0,
+               aout ? aout + r0 : NULL);
 }

@@ -168,6 +168,58 @@ static inline float hmin(v16 v) {
     return v[0];
 }
 
+/* The three trees above for 16 vectors at once: lane r of the result is hsum / hmax /
+ * hmin of x[r], bit for bit (the same pairs combined in the same order, so a value does
+ * not depend on whether it was reduced alone or with 15 others). Each level combines
+ * the halves of two vectors in one op: y = lo op hi where lo holds lanes j and hi lanes
+ * j + w of the same rows. */
+#ifdef __AVX512F__
+#define VABFT_TREE16(NAME, OP)                                                             \
+    static inline v16 NAME(const v16 *x) {                                                 \
+        __m512 y[8], z[4], u[2];                                                           \
+        for (int i = 0; i < 8; i++) { /* w = 8: rows 2i, 2i + 1 in the two halves */       \
+            __m512 a = (__m512)x[2 * i], b = (__m512)x[2 * i + 1];                         \
+            y[i] = OP(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE)); \
+        }                                                                                  \
+        for (int i = 0; i < 4; i++) /* w = 4: rows 4i .. 4i + 3, one per 128-bit block */  \
+            z[i] = OP(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),                  \
+                      _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));                 \
+        for (int i = 0; i < 2; i++) /* w = 2: block c: rows 8i + c, 8i + 4 + c */          \
+            u[i] = OP(_mm512_shuffle_ps(z[2 * i], z[2 * i + 1], 0x44),                     \
+                      _mm512_shuffle_ps(z[2 * i], z[2 * i + 1], 0xEE));                    \
+        /* w = 1: lane 4c + i is row 4i + c */                                             \
+        __m512 s = OP(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD)); \
+        const __m512i ROW = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15); \
+        return (v16)_mm512_permutexvar_ps(ROW, s);                                         \
+    }
+#define VABFT_ADD(lo, hi) _mm512_add_ps(lo, hi)
+#define VABFT_MAX(lo, hi) _mm512_max_ps(hi, lo)
+#define VABFT_MIN(lo, hi) _mm512_min_ps(hi, lo)
+VABFT_TREE16(hsum16, VABFT_ADD)
+VABFT_TREE16(hmax16, VABFT_MAX)
+VABFT_TREE16(hmin16, VABFT_MIN)
+#undef VABFT_ADD
+#undef VABFT_MAX
+#undef VABFT_MIN
+#undef VABFT_TREE16
+#else
+static inline v16 hsum16(const v16 *x) {
+    v16 r;
+    for (int j = 0; j < 16; j++) r[j] = hsum(x[j]);
+    return r;
+}
+static inline v16 hmax16(const v16 *x) {
+    v16 r;
+    for (int j = 0; j < 16; j++) r[j] = hmax(x[j]);
+    return r;
+}
+static inline v16 hmin16(const v16 *x) {
+    v16 r;
+    for (int j = 0; j < 16; j++) r[j] = hmin(x[j]);
+    return r;
+}
+#endif
+
 /* 16 consecutive elements (rows of a column-major block), the first n < 16 of them when
  * n < 16 (the rest 0) */
 static inline v16 load16(const char *p, int dt, int64_t n) {

@@ -42,7 +42,7 @@ static inline void tail_vals(const float *x, const float *r, int64_t n, v16 *vs,
 /* Accumulate the run x[0..w) (times r) into sums S[4], and |.| into A[4] when A: element
  * i goes to lane i % 16 of accumulator ACC(i). Constant indices only, so that the
  * accumulators stay in registers. */
-static inline void acc_sum(const float *x, const float *r, int64_t w, v16 *S, v16 *A) {
+static inline __attribute__((always_inline)) void acc_sum(const float *x, const float *r, int64_t w, v16 *S, v16 *A) {
     v16 s0 = S[0], s1 = S[1], s2 = S[2], s3 = S[3], z = {0};
     v16 a0 = A ? A[0] : z, a1 = A ? A[1] : z, a2 = A ? A[2] : z, a3 = A ? A[3] : z;
     int64_t i = 0;
@@ -145,26 +145,21 @@ static inline void init_stats(v16 *S, v16 *H, v16 *L) {
     }
 }
 
-static inline void finish_stats(const v16 *S, const v16 *H, const v16 *L, float *sum, float *hi, float *lo) {
-    *sum = hsum(comb4(S));
-    *hi = hmax(vmax(vmax(H[0], H[1]), vmax(H[2], H[3])));
-    *lo = hmin(vmin(vmin(L[0], L[1]), vmin(L[2], L[3])));
+/* The four accumulators of each of sum / max / min combined into one vector, which
+ * hsum / hmax / hmin (one run) or finish16 (16 runs) reduce: a run's sum / max / min is
+ * hsum(comb4(S)), hmax(max of H) and hmin(min of L), whichever of the two reduces it. */
+static inline void comb_stats(const v16 *S, const v16 *H, const v16 *L, v16 *sum, v16 *hi, v16 *lo) {
+    *sum = comb4(S);
+    *hi = vmax(vmax(H[0], H[1]), vmax(H[2], H[3]));
+    *lo = vmin(vmin(L[0], L[1]), vmin(L[2], L[3]));
 }
 
-/* sum of x[0..w) (times r when given), and of |x r| when asum */
-static inline void run_sum(const float *x, const float *r, int64_t w, float *sum, float *asum) {
-    v16 S[4] = {{0}}, A[4] = {{0}};
-    acc_sum(x, r, w, S, asum ? A : NULL);
-    *sum = hsum(comb4(S));
-    if (asum) *asum = hsum(comb4(A));
-}
-
-/* sum, max, min of x[0..w) (times r when given); NaN-aware via rescan by the caller */
-static inline void run_stats(const float *x, const float *r, int64_t w, float *sum, float *hi, float *lo) {
-    v16 S[4], H[4], L[4];
-    init_stats(S, H, L);
-    acc_stats(x, r, w, S, H, L);
-    finish_stats(S, H, L, sum, hi, lo);
+/* sum / max / min of 16 runs at once from their comb_stats vectors: 16 lanes stored to
+ * each of sum, hi, lo */
+static inline void finish16(const v16 *vs, const v16 *vh, const v16 *vl, float *sum, float *hi, float *lo) {
+    vst(sum, hsum16(vs));
+    vst(hi, hmax16(vh));
+    vst(lo, hmin16(vl));
 }
 
 /* whether p[i * stride], i < n, holds a NaN (the rare path after a NaN sum) */

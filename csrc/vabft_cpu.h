@@ -33,9 +33,10 @@
  * at build time (-ffp-contract=off) so that two code paths computing the same expression
  * round it the same way, whichever file they are in.
  *
- * Memory order: column-major operands are read as few long sequential streams (128 rows
+ * Memory order: column-major operands are read as few long sequential streams (512 rows
  * of a column-major A per k; 16 columns of a column-major B, 64 k at a time), never as
- * hundreds of short strided runs.
+ * hundreds of short strided runs. Horizontal sums / max / min of runs are reduced 16
+ * runs at a time (lanes.h hsum16 and friends: the same tree as one run alone).
  *
  * NaN semantics follow torch: max / min of a run that holds a NaN is NaN (a rare path
  * rescans a run whose sum is NaN), so the Python side can build inputs_bad /

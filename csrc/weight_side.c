@@ -20,40 +20,61 @@
 #define KB 64    /* K rows per work item of a row-major weight side */
 
 /* Row-major (or strided) B: each (k, segment) is one run along N, read in place when fp32
- * and contiguous, else gathered into buf first; items are KB rows of k. */
+ * and contiguous, else gathered into buf first; items are KB rows of k. Rows are read in
+ * order, 16 at a time: each (k, segment) run into three vectors (vec, [3][nseg][16]),
+ * then per segment the 16 runs reduce at once (finish16). */
 static int ws_rows(void *vctx, int64_t i0, int64_t i1) {
     ws_ctx *c = (ws_ctx *)vctx;
-    float *buf = NULL;
-    if (!(c->dt == DT_F32 && c->sbn == 1)) {
-        buf = (float *)malloc(SEG * sizeof(float));
-        if (!buf) return -1;
-    }
+    int64_t nseg = c->nseg, esz = ESZ[c->dt];
+    int gather = !(c->dt == DT_F32 && c->sbn == 1);
+    v16 *vec = (v16 *)aligned_alloc(64, 3 * 16 * nseg * sizeof(v16) + SEG * sizeof(float));
+    if (!vec) return -1;
+    float *buf = (float *)(vec + 3 * 16 * nseg);
     for (int64_t it = i0; it < i1; it++) {
         int64_t bi = it / c->items_per_batch, k0 = (it % c->items_per_batch) * KB;
         int64_t k1 = k0 + KB < c->k ? k0 + KB : c->k;
-        for (int64_t k = k0; k < k1; k++) {
-            const char *row = c->b + (bi * c->sbb + k * c->sbk) * ESZ[c->dt];
-            for (int64_t s = 0; s < c->nseg; s++) {
-                int64_t w = seg_width(c->n, s);
-                const char *p = row + s * SEG * c->sbn * ESZ[c->dt];
-                const float *x;
-                if (buf) {
-                    cvt(p, c->dt, c->sbn, w, buf);
-                    x = buf;
-                } else {
-                    x = (const float *)p;
+        for (int64_t j0 = k0; j0 < k1; j0 += 16) {
+            int64_t nk = k1 - j0 < 16 ? k1 - j0 : 16;
+            for (int64_t j = 0; j < 16; j++) {
+                const char *row = c->b + (bi * c->sbb + (j0 + j) * c->sbk) * esz;
+                for (int64_t s = 0; s < nseg; s++) {
+                    v16 *vs = vec + s * 16, *vh = vs + 16 * nseg, *vl = vh + 16 * nseg;
+                    if (j >= nk) {
+                        vs[j] = vh[j] = vl[j] = splat(0.0f);
+                        continue;
+                    }
+                    int64_t w = seg_width(c->n, s);
+                    const char *p = row + s * SEG * c->sbn * esz;
+                    const float *x;
+                    if (gather) {
+                        cvt(p, c->dt, c->sbn, w, buf);
+                        x = buf;
+                    } else {
+                        x = (const float *)p;
+                    }
+                    v16 S[4], H[4], L[4];
+                    init_stats(S, H, L);
+                    acc_stats(x, c->r ? c->r + s * SEG : NULL, w, S, H, L);
+                    comb_stats(S, H, L, &vs[j], &vh[j], &vl[j]);
                 }
-                float sum, hi, lo;
-                run_stats(x, c->r ? c->r + s * SEG : NULL, w, &sum, &hi, &lo);
-                if (isnan(sum) && has_nan(p, c->dt, c->sbn, w)) hi = lo = NAN;
-                int64_t o = (bi * c->nseg + s) * c->k + k;
-                c->br[o] = sum;
-                c->hi[o] = hi;
-                c->lo[o] = lo;
+            }
+            for (int64_t s = 0; s < nseg; s++) {
+                v16 *vs = vec + s * 16, *vh = vs + 16 * nseg, *vl = vh + 16 * nseg;
+                float sum[16], hi[16], lo[16];
+                finish16(vs, vh, vl, sum, hi, lo);
+                int64_t o = (bi * nseg + s) * c->k + j0, w = seg_width(c->n, s);
+                for (int64_t j = 0; j < nk; j++) {
+                    if (isnan(sum[j]) &&
+                        has_nan(c->b + (bi * c->sbb + (j0 + j) * c->sbk + s * SEG * c->sbn) * esz, c->dt, c->sbn, w))
+                        hi[j] = lo[j] = NAN;
+                    c->br[o + j] = sum[j];
+                    c->hi[o + j] = hi[j];
+                    c->lo[o + j] = lo[j];
+                }
             }
         }
     }
-    free(buf);
+    free(vec);
     return 1;
 }
 
@@ -71,7 +92,7 @@ static int ws_cols(void *vctx, int64_t i0, int64_t i1) {
         int64_t bi = it / c->items_per_batch, rem = it % c->items_per_batch;
         int64_t s = rem / kblocks, k0 = (rem % kblocks) * KCW;
         int64_t kc = c->k - k0 < KCW ? c->k - k0 : KCW, w = seg_width(c->n, s);
-        for (int64_t q = 0; q < KCW; q++) {
+        for (int64_t q = 0; q < ((kc + 15) & ~(int64_t)15); q++) { /* the vectors this item touches */
             tot[q] = 0.0f;
             hi[q] = -INFINITY;
             lo[q] = INFINITY;

@@ -195,16 +195,19 @@ def _weight_side_of(b: Tensor, buf: Tensor, mu_scale: float) -> WeightSide:
     for size in bshape:
         big *= size
     small = big // k
-    floats = buf[: 4 * (3 * big + 8 * small)].view(torch.float32)
+    # few torch calls (each costs a microsecond or two; this runs once per encoding):
+    # one unbind for the eight aggregate planes, one for the four factor views
+    nfloat = 3 * big + 8 * small
+    floats = buf[: 4 * nfloat].view(torch.float32)
     br = floats[:big].view(*bshape, nseg, k)
     agg = floats[3 * big:].view(8, *bshape, nseg)
-    bad = buf[4 * (3 * big + 8 * small):].view(torch.bool).view(*bshape, nseg)
+    p1, p2, v, col_norm = agg[:4].unbind(0)
+    bad = buf[4 * nfloat:].view(torch.bool).view(*bshape, nseg)
     widths = _segment_constants(n, b.device)[0]
-    ws = WeightSide(br.mT, agg[0], agg[1], agg[2], agg[3], bad, widths, k, n)
+    ws = WeightSide(br.mT, p1, p2, v, col_norm, bad, widths, k, n)
     # the factors of the threshold's bracket, computed by the kernel exactly as
     # WeightSide._factors computes them (a cached_property: its slot is the instance dict)
-    ws.__dict__["_factors"] = (agg[4].unsqueeze(-2), agg[5].unsqueeze(-2), agg[6].unsqueeze(-2),
-                               agg[7].unsqueeze(-2), float(mu_scale))
+    ws.__dict__["_factors"] = (*agg[4:].unsqueeze(-2).unbind(0), float(mu_scale))
     return ws
 
 

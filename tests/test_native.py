@@ -295,7 +295,7 @@ def test_batch_invariance(dtype: torch.dtype, a_layout: str) -> None:
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_wide_blocks_agree(dtype: torch.dtype) -> None:
-    """Column-major A over several 128-row blocks with a K tail, and a column-major weight
+    """Column-major A with a K tail, and a column-major weight
     side over several K blocks with a tail and a checksum weight: agreement with torch,
     rows bit-identical at an offset and across forced threads."""
     a = layout(randn(300, 1100, dtype=dtype, seed=41), "col")
@@ -312,6 +312,29 @@ def test_wide_blocks_agree(dtype: torch.dtype) -> None:
     assert torch.equal(one.diff, many.diff) and torch.equal(one.threshold, many.threshold)
     tail = native.native_check(request(a[77:], w.t(), c[77:], checksum_weight=r, weight=ws))
     assert torch.equal(tail.diff, one.diff[77:]) and torch.equal(tail.threshold, one.threshold[77:])
+
+
+@needs_native
+@pytest.mark.parametrize("n", [200, 700, 1200])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_column_major_blocks_bit_identical(dtype: torch.dtype, n: int) -> None:
+    """Column-major A over several row blocks (fp32 blocks of whole vectors are read in
+    place, the rest through a converted copy; 1, 3 and 5 segments take the fused and
+    the unfused loops): a row's D and T do not depend on its block, its lane or the
+    path, whatever slice of A it comes in."""
+    a = layout(randn(1100, 300, dtype=dtype, seed=44), "col")
+    b = randn(300, n, dtype=dtype, seed=45)
+    c = product(a, b)
+    ws = native.native_weight_side(b)
+    full = native.native_check(request(a, b, c, weight=ws), threads=1)
+    many = native.native_check(request(a, b, c, weight=ws), threads=3, force_threads=True)
+    assert torch.equal(full.diff, many.diff) and torch.equal(full.threshold, many.threshold)
+    for lo, hi in ((16, 1100), (5, 1100), (0, 512), (3, 531), (512, 1024)):
+        part = native.native_check(request(a[lo:hi], b, c[lo:hi], weight=ws), threads=1)
+        assert torch.equal(part.diff, full.diff[lo:hi]), (lo, hi)
+        assert torch.equal(part.threshold, full.threshold[lo:hi]), (lo, hi)
+        assert torch.equal(part.ok, full.ok[lo:hi]), (lo, hi)
+    assert bool(full.ok.all())
 
 
 @needs_native
