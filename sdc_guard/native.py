@@ -25,6 +25,7 @@ not a vector of N, batch dims that need more than two strides to walk without a 
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Sequence
 
@@ -42,30 +43,24 @@ _DT: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float1
 #: constants per C dtype: (TINY, bias_rounding)
 _C_CONST: dict[torch.dtype, tuple[float, float]] = {dt: (TINY[dt], bias_rounding(dt)) for dt in _DT}
 
-_ext: types.ModuleType | None = None
-_reason: str | None = None
-_loaded = False
+@functools.cache
+def _import() -> tuple[types.ModuleType | None, str | None]:
+    """The extension, imported once, or why it is missing."""
+    try:
+        from . import _vabft_cpu  # type: ignore[attr-defined]
+    except ImportError as exc:
+        return None, (f"native extension sdc_guard._vabft_cpu is not built ({exc}); "
+                      "reinstall with a C compiler (pip install -e .)")
+    return _vabft_cpu, None
 
 
 def _load() -> types.ModuleType | None:
-    """Import the extension once; remember why not when it is missing."""
-    global _ext, _reason, _loaded
-    if not _loaded:
-        _loaded = True
-        try:
-            from . import _vabft_cpu  # type: ignore[attr-defined]
-        except ImportError as exc:
-            _reason = (f"native extension sdc_guard._vabft_cpu is not built ({exc}); "
-                       "reinstall with a C compiler (pip install -e .)")
-        else:
-            _ext = _vabft_cpu
-    return _ext
+    return _import()[0]
 
 
 def unavailable_reason() -> str | None:
     """``None`` when the native kernels are importable, else why not (one line)."""
-    _load()
-    return _reason
+    return _import()[1]
 
 
 def available() -> bool:
