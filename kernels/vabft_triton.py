@@ -82,11 +82,10 @@ from torch import Tensor
 
 from sdc_guard.abft import AbftCheck, WeightSide, effective_e_max, num_segments
 from sdc_guard.backends import GemmRequest
+from sdc_guard.batching import batch_strides, collapse_batch, contiguous_strides
 from sdc_guard.kernels.vabft_weight import (
     TRITON_FLOAT_DTYPES,
     on_device,
-    batch_strides,
-    collapse_batch,
     triton_weight_side,
     weight_rejects,
 )
@@ -130,19 +129,6 @@ class _Layout:
     batch: list[int]  #: the broadcast batch shape of C
     batch1: int  #: inner size of the two collapsed batch dims
     strides: dict[str, list[int]]  #: two batch strides per operand
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
-    """Strides of a contiguous tensor of ``shape``.
-
-    >>> _contiguous_strides((2, 3, 4))
-    [12, 4, 1]
-    """
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return strides[::-1]
 
 
 def _aggregates(ws: WeightSide) -> tuple[Tensor, ...]:
@@ -191,7 +177,7 @@ def _layout(
         "a": batch_strides(a.shape, a.stride(), batch),
         "c": batch_strides(c.shape, c.stride(), batch),
         "br": batch_strides(br_shape, br_strides, batch),
-        "agg": batch_strides(agg_shape, _contiguous_strides(agg_shape), batch, trailing=1),
+        "agg": batch_strides(agg_shape, contiguous_strides(agg_shape), batch, trailing=1),
         "bias": batch_strides(bias.shape, bias.stride(), batch) if bias is not None else [0] * len(batch),
     }
     collapsed = collapse_batch(batch, list(strides.values()))
@@ -235,7 +221,7 @@ def rejects(req: GemmRequest) -> str | None:
         b = req.b
         nseg = num_segments(b.shape[-1])
         br_shape = (*b.shape[:-1], nseg)
-        br_strides = tuple(_contiguous_strides(br_shape))
+        br_strides = tuple(contiguous_strides(br_shape))
         agg_shape = (*b.shape[:-2], nseg)
     layout = _layout(req, _bias(req), br_shape, br_strides, agg_shape)
     return layout if isinstance(layout, str) else None

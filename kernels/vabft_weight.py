@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
 
 import torch
 import triton
@@ -37,6 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sdc_guard.abft import WeightSide, num_segments
+from sdc_guard.batching import collapse_batch
 from sdc_guard.precision import SEGMENT
 
 #: Rows of B per tile of the partials kernel, and its warps: a ``[8, 256]`` tile is 8
@@ -49,65 +49,10 @@ WEIGHT_NUM_WARPS = 8
 #: alone cannot fill a large GPU (an H200 has 132 SMs). Not tuned on hardware.
 TARGET_PROGRAMS = 512
 
-#: Most batch dims a kernel walks (after merging dims that one stride can serve).
-MAX_BATCH_DIMS = 2
-
 #: Floating dtypes Triton loads that an operand of a check may have (bias, weight).
 TRITON_FLOAT_DTYPES: tuple[torch.dtype, ...] = (
     torch.float16, torch.bfloat16, torch.float32, torch.float64,
 )
-
-
-def collapse_batch(
-    batch: Sequence[int], strides: Sequence[Sequence[int]]
-) -> tuple[list[int], list[list[int]]] | None:
-    """Merge the batch dims of several tensors into at most ``MAX_BATCH_DIMS`` strided dims.
-
-    ``batch`` is the common batch shape and ``strides[i]`` the batch strides of tensor
-    ``i`` (0 where it is broadcast). Adjacent dims merge when one stride serves both in
-    every tensor; size-1 dims are dropped. Returns ``(sizes, strides)`` padded to exactly
-    ``MAX_BATCH_DIMS`` dims (leading size-1 dims), or ``None`` when more would remain:
-    then no single kernel launch can walk the batch without a copy.
-
-    >>> collapse_batch([2, 3], [[3, 1], [0, 0]])
-    ([1, 6], [[0, 1], [0, 0]])
-    >>> collapse_batch([2, 3, 4], [[12, 4, 1], [0, 4, 0]]) is None
-    True
-    """
-    merged: list[tuple[int, list[int]]] = []
-    for dim, size in enumerate(batch):
-        if size == 1:
-            continue
-        current = [s[dim] for s in strides]
-        if merged and all(prev == cur * size for prev, cur in zip(merged[-1][1], current)):
-            merged[-1] = (merged[-1][0] * size, current)
-        else:
-            merged.append((size, current))
-    if len(merged) > MAX_BATCH_DIMS:
-        return None
-    while len(merged) < MAX_BATCH_DIMS:
-        merged.insert(0, (1, [0] * len(strides)))
-    sizes = [size for size, _ in merged]
-    per_tensor = [[st[i] for _, st in merged] for i in range(len(strides))]
-    return sizes, per_tensor
-
-
-def batch_strides(
-    shape: Sequence[int], strides: Sequence[int], batch: Sequence[int], trailing: int = 2
-) -> list[int]:
-    """Batch strides of a tensor broadcast to ``batch`` (0 where it is broadcast).
-
-    ``shape`` / ``strides`` describe the tensor, whose last ``trailing`` dims are not
-    batch dims; its batch dims are aligned to the right of ``batch`` as in broadcasting.
-    Pure Python, so that ``rejects`` can plan a launch without touching a tensor.
-
-    >>> batch_strides((3, 4, 5), (20, 5, 1), [2, 3])
-    [0, 20]
-    """
-    own = len(shape) - trailing
-    lead = len(batch) - own
-    return [strides[i - lead] if i >= lead and shape[i - lead] != 1 else 0
-            for i in range(len(batch))]
 
 
 def weight_rejects(b: Tensor, checksum_weight: Tensor | None = None) -> str | None:

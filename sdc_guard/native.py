@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Sequence
 
 import torch
 from torch import Tensor
 
+from .batching import batch_strides, collapse_batch, contiguous_strides
 from .abft import AbftCheck, WeightSide, _bias_sums, effective_e_max, explain_failures, weight_side
 from .precision import SEGMENT, TINY, bias_rounding
 from .segments import _segment_constants
@@ -70,41 +70,6 @@ def available() -> bool:
 
 # --- batch layout ----------------------------------------------------------------------
 
-def _batch_strides(shape: Sequence[int], strides: Sequence[int], batch: Sequence[int], trailing: int) -> list[int]:
-    """Strides of a tensor broadcast to ``batch`` (0 where broadcast); its last ``trailing``
-    dims are not batch dims."""
-    nb = len(shape) - trailing
-    lead = len(batch) - nb
-    return [strides[i - lead] if i >= lead and shape[i - lead] != 1 else 0 for i in range(len(batch))]
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(strides[::-1])
-
-
-def _collapse(batch: Sequence[int], strides: list[list[int]]) -> tuple[list[int], list[list[int]]] | None:
-    """Merge batch dims jointly over several tensors into exactly two ``(sizes, strides)``
-    (leading size-1 dims), or ``None`` when more than two remain."""
-    merged: list[tuple[int, list[int]]] = []
-    for dim, size in enumerate(batch):
-        if size == 1:
-            continue
-        current = [s[dim] for s in strides]
-        if merged and all(prev == cur * size for prev, cur in zip(merged[-1][1], current)):
-            merged[-1] = (merged[-1][0] * size, current)
-        else:
-            merged.append((size, current))
-    if len(merged) > 2:
-        return None
-    while len(merged) < 2:
-        merged.insert(0, (1, [0] * len(strides)))
-    return [size for size, _ in merged], [[st[i] for _, st in merged] for i in range(len(strides))]
-
-
 # --- weight side -----------------------------------------------------------------------
 
 def _weight_reason(b: Tensor, checksum_weight: Tensor | None) -> str | None:
@@ -116,7 +81,7 @@ def _weight_reason(b: Tensor, checksum_weight: Tensor | None) -> str | None:
         return "b: empty or not a matrix"
     if checksum_weight is not None and (checksum_weight.device.type != "cpu" or checksum_weight.shape != b.shape[-1:]):
         return "checksum_weight: not a CPU vector of N"
-    if b.dim() > 3 and _collapse(b.shape[:-2], [list(b.stride()[:-2])]) is None:
+    if b.dim() > 3 and collapse_batch(b.shape[:-2], [list(b.stride()[:-2])]) is None:
         return "b: batch dims that one stride cannot walk"
     return None
 
@@ -151,7 +116,7 @@ def _ws_batch(b: Tensor) -> tuple[int, int] | None:
     bshape = b.shape[:-2]
     if len(bshape) <= 1:
         return (bshape[0], b.stride(0)) if bshape else (1, 0)
-    collapsed = _collapse(bshape, [list(b.stride()[:-2])])
+    collapsed = collapse_batch(bshape, [list(b.stride()[:-2])])
     assert collapsed is not None
     (size0, size1), ((s0, s1),) = collapsed
     if size0 != 1:  # two strides: encode each leading slice by itself would cost more code than it saves
@@ -273,17 +238,17 @@ def _layout(req: object, ws: WeightSide | None) -> tuple[list[int], list[list[in
         bb = tuple(b.shape[:-2])
         nseg = -(-b.shape[-1] // SEGMENT)
         br_shape, f_shape = (*bb, b.shape[-2], nseg), (*bb, 1, nseg)
-        *outer, seg_stride, k_stride = _contiguous_strides((*bb, nseg, b.shape[-2]))
+        *outer, seg_stride, k_stride = contiguous_strides((*bb, nseg, b.shape[-2]))
         br_strides = (*outer, k_stride, seg_stride)
-        f_strides = _contiguous_strides(f_shape)
+        f_strides = contiguous_strides(f_shape)
     per = [
-        _batch_strides(a.shape, a.stride(), batch, 2),
-        _batch_strides(c.shape, c.stride(), batch, 2),
-        _batch_strides(bias.shape, bias.stride(), batch, 2) if bias is not None and bias.dim() > 2 else [0] * len(batch),
-        _batch_strides(br_shape, br_strides, batch, 2),
-        _batch_strides(f_shape, f_strides, batch, 2),
+        batch_strides(a.shape, a.stride(), batch, 2),
+        batch_strides(c.shape, c.stride(), batch, 2),
+        batch_strides(bias.shape, bias.stride(), batch, 2) if bias is not None and bias.dim() > 2 else [0] * len(batch),
+        batch_strides(br_shape, br_strides, batch, 2),
+        batch_strides(f_shape, f_strides, batch, 2),
     ]
-    return _collapse(batch, per)
+    return collapse_batch(batch, per)
 
 
 def _threads(threads: int | None, force: bool) -> int:

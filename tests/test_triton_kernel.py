@@ -29,7 +29,8 @@ from sdc_guard.abft import AbftCheck, encode_comp_row, weight_side
 from sdc_guard.backends import GemmRequest, TorchBackend, TritonBackend
 from sdc_guard.kernels import vabft_triton
 from sdc_guard.kernels.vabft_triton import DIFF_TOL_OF_T, SMALL_M, THRESHOLD_RTOL
-from sdc_guard.kernels.vabft_weight import collapse_batch, triton_weight_side
+from sdc_guard.batching import collapse_batch
+from sdc_guard.kernels.vabft_weight import triton_weight_side
 from sdc_guard.precision import DEFAULT_E_MAX
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
