@@ -68,8 +68,6 @@ def available() -> bool:
     return _load() is not None
 
 
-# --- batch layout ----------------------------------------------------------------------
-
 # --- weight side -----------------------------------------------------------------------
 
 def _weight_reason(b: Tensor, checksum_weight: Tensor | None) -> str | None:
@@ -251,6 +249,20 @@ def _layout(req: object, ws: WeightSide | None) -> tuple[list[int], list[list[in
     return collapse_batch(batch, per)
 
 
+def _bias_args(bias: Tensor | None) -> tuple[int, int, int, int]:
+    """Pointer, dtype code and (row, column) strides of the bias as the kernel reads it:
+    0 strides where it broadcasts; all 0 without a bias."""
+    if bias is None:
+        return 0, 0, 0, 0
+    bias_v = bias.reshape(1) if bias.dim() == 0 else bias
+    if bias_v.dim() == 1:
+        sbm, sbn = 0, (bias_v.stride(0) if bias_v.shape[0] != 1 else 0)
+    else:
+        sbm = bias_v.stride(-2) if bias_v.shape[-2] != 1 else 0
+        sbn = bias_v.stride(-1) if bias_v.shape[-1] != 1 else 0
+    return bias_v.data_ptr(), _DT[bias_v.dtype], sbm, sbn
+
+
 def _threads(threads: int | None, force: bool) -> int:
     """The kernel's thread argument: at most ``threads``; negative forces the split."""
     n = max(1, torch.get_num_threads() if threads is None else threads)
@@ -310,16 +322,7 @@ def native_check(req: object, threads: int | None = None, force_threads: bool = 
         if layout is None:
             return None
         (nb0, nb1), ((sa0, sa1), (sc0, sc1), (sb0, sb1), (sbr0, sbr1), (sf0, sf1)) = layout
-    if bias is not None:
-        bias_v = bias.reshape(1) if bias.dim() == 0 else bias
-        if bias_v.dim() == 1:
-            sbm, sbn = 0, (bias_v.stride(0) if bias_v.shape[0] != 1 else 0)
-        else:
-            sbm = bias_v.stride(-2) if bias_v.shape[-2] != 1 else 0
-            sbn = bias_v.stride(-1) if bias_v.shape[-1] != 1 else 0
-        bias_ptr, bias_dt = bias_v.data_ptr(), _DT[bias_v.dtype]
-    else:
-        bias_ptr = bias_dt = sbm = sbn = 0
+    bias_ptr, bias_dt, sbm, sbn = _bias_args(bias)
     shape = (*batch, m, nseg)
     vals = torch.empty((2, *shape), dtype=torch.float32)
     rows = torch.empty((3, *batch, m), dtype=torch.float32)
