@@ -9,7 +9,9 @@ invariance, inputs left untouched, and the classification of non-finite values.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +20,9 @@ from sdc_guard import backends, native, verify
 from sdc_guard.abft import AbftCheck, weight_side
 from sdc_guard.backends import CpuBackend, GemmRequest, TorchBackend
 from sdc_guard.cache import WeightCache
-from sdc_guard.precision import DEFAULT_E_MAX
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gemm_cases import randn, request  # noqa: E402
 
 THRESHOLD_RTOL = 1e-4
 DIFF_TOL_OF_T = 5e-2
@@ -43,15 +47,6 @@ def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype != torch.float32:
         return torch.matmul(a.float(), b.float()).to(a.dtype)
     return torch.matmul(a, b)
-
-
-def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-def request(a, b, c, **kw) -> GemmRequest:
-    kw.setdefault("e_max", DEFAULT_E_MAX[a.dtype])
-    return GemmRequest(a, b, c, **kw)
 
 
 def assert_agrees(req: GemmRequest) -> tuple[AbftCheck, AbftCheck]:

@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,7 +32,9 @@ from sdc_guard.kernels import vabft_triton
 from sdc_guard.kernels.vabft_triton import DIFF_TOL_OF_T, SMALL_M, THRESHOLD_RTOL
 from sdc_guard.batching import collapse_batch
 from sdc_guard.kernels.vabft_weight import triton_weight_side
-from sdc_guard.precision import DEFAULT_E_MAX
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gemm_cases import randn, request  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 M_DECODE, M_DOT = 13, 20  # one per tiling; neither a multiple of 8
@@ -46,15 +49,6 @@ def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype == torch.float16:
         return torch.matmul(a.float(), b.float()).half()
     return torch.matmul(a, b)
-
-
-def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-def request(a, b, c, **kw) -> GemmRequest:
-    kw.setdefault("e_max", DEFAULT_E_MAX[a.dtype])
-    return GemmRequest(a, b, c, **kw)
 
 
 def assert_agrees(req: GemmRequest) -> tuple[AbftCheck, AbftCheck]:
