@@ -148,9 +148,17 @@ static PyObject *py_noop(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_RETURN_NONE;
 }
 
+/* runtime() -> str: the path of the OpenMP runtime the kernels split work on, "" for pthreads */
+static PyObject *py_runtime(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyUnicode_DecodeFSDefault(vabft_runtime());
+}
+
 static PyMethodDef methods[] = {
     {"weight_side", (PyCFunction)(void (*)(void))py_weight_side, METH_FASTCALL, "V-ABFT weight side (see native.py)"},
     {"check", (PyCFunction)(void (*)(void))py_check, METH_FASTCALL, "V-ABFT check (see native.py)"},
+    {"runtime", (PyCFunction)(void (*)(void))py_runtime, METH_NOARGS, "the OpenMP runtime the kernels split work on"},
     {"noop", (PyCFunction)(void (*)(void))py_noop, METH_FASTCALL, "does nothing (overhead probe)"},
     {NULL, NULL, 0, NULL},
 };
@@ -163,6 +171,7 @@ PyMODINIT_FUNC PyInit__vabft_cpu(void) {
     if (mod) {
         PyModule_AddIntConstant(mod, "SEGMENT", SEG);
         PyModule_AddIntConstant(mod, "PAR_MIN", PAR_MIN);
+        PyModule_AddIntConstant(mod, "OMP_MIN", OMP_MIN);
     }
     return mod;
 }

@@ -50,10 +50,13 @@
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
 #define SEG 256 /* columns per checksum segment */
-/* Elements read below which a call runs on one thread. A thread started right after a
- * torch op competes with torch's OpenMP workers, which spin (libgomp) for a while before
- * they sleep: on a small machine that costs more than the split saves unless the call
- * runs for milliseconds. A negative thread count forces the split (tests). */
+/* Elements read below which a call runs on one thread. With torch's OpenMP pool
+ * (parallel.c) a split costs a few microseconds, the time to read ~64 Ki elements. With
+ * pthreads a thread started right after a torch op competes with torch's OpenMP workers,
+ * which spin (libgomp) for a while before they sleep: on a small machine that costs more
+ * than the split saves unless the call runs for milliseconds. A negative thread count
+ * forces the split (tests). */
+#define OMP_MIN (1 << 16)
 #define PAR_MIN (1 << 24)
 
 /* columns of segment s of N (the last one may be narrower) */
@@ -68,6 +71,7 @@ typedef int (*work_fn)(void *ctx, int64_t i0, int64_t i1); /* returns an AND-abl
 
 int vabft_parallel(work_fn fn, void *ctx, int64_t n, int threads);
 int vabft_threads(int threads, int64_t elements);
+const char *vabft_runtime(void);
 
 /* ---- weight side (weight_side.c) ------------------------------------------------------ */
 

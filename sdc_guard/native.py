@@ -36,7 +36,7 @@ from .abft import AbftCheck, WeightSide, _bias_sums, effective_e_max, explain_fa
 from .precision import SEGMENT, TINY, bias_rounding
 from .segments import _segment_constants
 
-__all__ = ["available", "native_check", "native_weight_side", "rejects", "unavailable_reason"]
+__all__ = ["available", "native_check", "native_weight_side", "rejects", "thread_runtime", "unavailable_reason"]
 
 #: dtype -> the kernel's dtype code
 _DT: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -68,6 +68,15 @@ def available() -> bool:
     return _load() is not None
 
 
+def thread_runtime() -> str | None:
+    """The OpenMP runtime the kernels split large calls on: torch's own pool, borrowed so
+    that its spinning workers take the work instead of competing with new threads
+    (``csrc/parallel.c``). ``""`` when they use pthreads (no OpenMP runtime is loaded, or
+    ``SDC_GUARD_NATIVE_OPENMP=0``), ``None`` without the extension."""
+    ext = _load()
+    return None if ext is None else ext.runtime()
+
+
 # --- weight side -----------------------------------------------------------------------
 
 def _weight_reason(b: Tensor, checksum_weight: Tensor | None) -> str | None:
@@ -94,7 +103,7 @@ def native_weight_side(b: Tensor, checksum_weight: Tensor | None = None, threads
                        force_threads: bool = False) -> WeightSide:
     """``abft.weight_side`` in one native call: one read of ``b`` (``[..., K, N]``, any
     strides), split over ``threads`` (default ``torch.get_num_threads()``) threads when
-    large (``PAR_MIN`` elements), or always when ``force_threads`` (tests).
+    large (``OMP_MIN`` / ``PAR_MIN`` elements, see ``native_check``), or always when ``force_threads`` (tests).
 
     Returns a ``WeightSide`` with ``br`` segment-major (as ``abft`` stores it) and its
     threshold factors precomputed; inputs the kernels do not cover are encoded by
@@ -277,7 +286,8 @@ def native_check(req: object, threads: int | None = None, force_threads: bool = 
     scratch buffer first (the same kernel as ``native_weight_side``, without building
     a ``WeightSide`` unless a segment fails).
     ``threads``: at most this many (default ``torch.get_num_threads()``); the kernel
-    uses one below ``PAR_MIN`` elements read unless ``force_threads`` (tests). Never
+    uses one below ``OMP_MIN`` elements read on torch's OpenMP pool (``PAR_MIN`` with
+    pthreads) unless ``force_threads`` (tests). Never
     writes to an input.
     """
     ext = _load()

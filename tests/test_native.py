@@ -9,6 +9,7 @@ invariance, inputs left untouched, and the classification of non-finite values.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -410,3 +411,45 @@ def test_cache_uses_and_refreshes_with_encoder() -> None:
     a = randn(8, 64, seed=38)
     fresh = cache.get(w.t())
     assert_agrees(request(a, w.detach().t(), a @ w.detach().t(), weight=fresh))
+
+
+@needs_native
+def test_kernels_borrow_torchs_openmp_pool() -> None:
+    """Where torch runs on OpenMP, the kernels split work on that same runtime (a second
+    pool, or threads started beside torch's spinning workers, fight them for the cores)."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch does not run on OpenMP here")
+    runtime = native.thread_runtime()
+    assert runtime and "omp" in Path(runtime).name, runtime
+    loaded = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "omp" in line}
+    assert os.path.realpath(runtime) in {os.path.realpath(p) for p in loaded}, (runtime, loaded)
+
+
+@needs_native
+def test_pthreads_fallback_same_bits(tmp_path: Path) -> None:
+    """With SDC_GUARD_NATIVE_OPENMP=0 the kernels split work on their own threads, with
+    the same bits as the OpenMP split and as one thread."""
+    script = tmp_path / "split.py"
+    script.write_text(
+        "import sys, torch\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from gemm_cases import randn, request\n"
+        "from sdc_guard import native\n"
+        "a, w = randn(300, 1024, seed=31), randn(700, 1024, seed=32)\n"
+        "req = request(a, w.t(), a @ w.t(), weight=native.native_weight_side(w.t(), threads=3, force_threads=True))\n"
+        "got = native.native_check(req, threads=3, force_threads=True)\n"
+        "torch.save({'runtime': native.thread_runtime(), 'diff': got.diff.clone(), 'threshold': got.threshold.clone(),\n"
+        "            'br': req.weight.br.clone()}, sys.argv[1])\n")
+    out = {}
+    for flag in ("0", "1"):
+        env = {**os.environ, "SDC_GUARD_NATIVE_OPENMP": flag}
+        subprocess.run([sys.executable, str(script), str(tmp_path / f"{flag}.pt")], env=env, check=True)
+        out[flag] = torch.load(tmp_path / f"{flag}.pt")
+    assert out["0"]["runtime"] == ""
+    assert out["1"]["runtime"] == native.thread_runtime()
+    a, w = randn(300, 1024, seed=31), randn(700, 1024, seed=32)
+    ws = native.native_weight_side(w.t(), threads=1)
+    one = native.native_check(request(a, w.t(), a @ w.t(), weight=ws), threads=1)
+    for got in out.values():
+        assert torch.equal(got["br"], ws.br)
+        assert torch.equal(got["diff"], one.diff) and torch.equal(got["threshold"], one.threshold)
