@@ -28,7 +28,7 @@ from .backends import Backend, GemmRequest
 from .cache import WeightCache
 from .intercept import Gemm, GemmInterceptor, SiteTracker, current_phase
 from .precision import SUPPORTED_DTYPES, resolve_e_max
-from .ledger import Pending, StepLedger, summarize
+from .ledger import Pending, StepLedger
 from .report import KindKey, StepReport
 from .policy import Policy, Responder, StepOutcome
 from .sampling import Full, Sampler, SiteKey, sampler_watches
@@ -314,7 +314,7 @@ class Guard:
         shape = (*gemm.out.shape[:-2], gemm.a.shape[-2], gemm.a.shape[-1], gemm.b.shape[-1])
         self._ledger.record(Pending(site, kind, call_index, shape, gemm.a.dtype, sdc, summary), elapsed)
 
-    def _verify(self, gemm: Gemm) -> tuple[Tensor, Tensor]:
+    def _verify(self, gemm: Gemm) -> tuple[Tensor | None, Tensor | list[float]]:
         key = (gemm.a.device, gemm.a.dtype)
         e_max = self._e_max_choice.get(key)
         if e_max is None:
@@ -324,7 +324,7 @@ class Guard:
         weight = self.cache.get(gemm.b, encode=backend.encode) if backend.name != "npu" else None
         req = GemmRequest(gemm.a, gemm.b, gemm.out, e_max, bias=gemm.bias, alpha=gemm.alpha, beta=gemm.beta,
                           weight=weight)
-        return summarize(backend.check(req))
+        return backend.summarize(req)
 
     def _choose_backend(self, gemm: Gemm, e_max: float) -> Backend:
         """The backend for GEMMs like this one, chosen once per kind of call: device,

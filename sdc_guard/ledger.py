@@ -28,7 +28,7 @@ class Pending:
     call_index: int
     shape: tuple[int, ...]
     dtype: torch.dtype
-    sdc: Tensor  #: bool [..., M, nseg]
+    sdc: Tensor | None  #: bool [..., M, nseg]; None for a clear check (nothing failed)
     #: any sdc, worst D/T, any possible overflow, any unverifiable failure: fp32 [4] on the
     #: device, or the same four numbers already on the host (a clear CPU check)
     summary: Tensor | list[float]
@@ -65,19 +65,19 @@ class Clock:
         return self.seconds + gpu
 
 
-def summarize(check: AbftCheck) -> tuple[Tensor, Tensor | list[float]]:
+def summarize(check: AbftCheck) -> tuple[Tensor | None, Tensor | list[float]]:
     """Device-side reduction of one check: (sdc mask, [any sdc, worst D/T, any overflow, any unverifiable]).
 
     A ``clear`` check (CPU: every segment passed, all finite) has nothing to reduce but its
     worst ratio (given by the native backend, else read on the host, where that costs
-    nothing), and its masks are all False: its sdc mask is one of them, and its summary
-    stays on the host. Twenty ops fewer per GEMM.
+    nothing), and no sdc mask (``None``: all False); its summary stays on the host.
+    Twenty ops fewer per GEMM.
     """
     if check.clear and check.diff is not None and check.threshold is not None:
         worst = check.worst_ratio
         if worst is None:
             worst = float((check.diff / check.threshold).amax()) if check.diff.numel() else 0.0
-        return check.inputs_bad, [0.0, worst, 0.0, 0.0]
+        return None, [0.0, worst, 0.0, 0.0]
     sdc = check.sdc
     ratio = check.ratio
     if ratio is None:
@@ -177,6 +177,7 @@ def read_summaries(summaries: list[Tensor | list[float]]) -> list[list[float]]:
 
 
 def detection(step: int, p: Pending, ratio: float, rank: int) -> Detection:
+    assert p.sdc is not None, "a flagged check has its mask"
     mask = p.sdc.reshape(-1, *p.sdc.shape[-2:]).any(0)
     rows = torch.nonzero(mask.any(-1)).flatten().tolist()
     segments = torch.nonzero(mask.any(-2)).flatten().tolist()

@@ -26,6 +26,7 @@ not a vector of N, batch dims that need more than two strides to walk without a 
 from __future__ import annotations
 
 import functools
+import threading
 import types
 
 import torch
@@ -36,7 +37,7 @@ from .abft import AbftCheck, WeightSide, _bias_sums, effective_e_max, explain_fa
 from .precision import SEGMENT, TINY, bias_rounding
 from .segments import _segment_constants
 
-__all__ = ["available", "native_check", "native_weight_side", "rejects", "thread_runtime", "unavailable_reason"]
+__all__ = ["Scratch", "available", "native_check", "native_clear", "native_weight_side", "rejects", "thread_runtime", "unavailable_reason"]
 
 #: dtype -> the kernel's dtype code
 _DT: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -131,6 +132,27 @@ def _ws_batch(b: Tensor) -> tuple[int, int] | None:
     return size1 * size0, s1
 
 
+def _encoding_bytes(bt: int, k: int, nseg: int) -> int:
+    """Bytes of an encoding buffer (see ``_encode``)."""
+    big, small = bt * nseg * k, bt * nseg
+    return 4 * (3 * big + 8 * small) + small
+
+
+def _encode_at(ext: types.ModuleType, b: Tensor, r: Tensor | None, threads: int, bb: tuple[int, int],
+               p: int) -> float:
+    """The weight side of ``b`` (batch count and stride ``bb``) into the buffer at ``p``;
+    returns ``mu_scale``."""
+    bt, sbb = bb
+    k, n = b.shape[-2], b.shape[-1]
+    nseg = -(-n // SEGMENT)
+    big, small = bt * nseg * k, bt * nseg
+    return ext.weight_side(
+        b.data_ptr(), _DT[b.dtype], bt, k, n, sbb, b.stride(-2), b.stride(-1),
+        r.data_ptr() if r is not None else 0, p, p + 4 * big, p + 8 * big,
+        p + 12 * big, p + 4 * (3 * big + 8 * small), threads,
+    )
+
+
 def _encode(ext: types.ModuleType, b: Tensor, r: Tensor | None, threads: int) -> tuple[Tensor, float] | None:
     """The weight side of ``b`` into one new buffer (``_weight_side_of`` takes it apart):
     ``Br`` [bt, nseg, K], max and min [2, bt, nseg, K], the 8 aggregate planes
@@ -138,18 +160,8 @@ def _encode(ext: types.ModuleType, b: Tensor, r: Tensor | None, threads: int) ->
     bb = _ws_batch(b)
     if bb is None:
         return None
-    bt, sbb = bb
-    k, n = b.shape[-2], b.shape[-1]
-    nseg = -(-n // SEGMENT)
-    big, small = bt * nseg * k, bt * nseg
-    buf = torch.empty(4 * (3 * big + 8 * small) + small, dtype=torch.uint8)
-    p = buf.data_ptr()
-    mu_scale = ext.weight_side(
-        b.data_ptr(), _DT[b.dtype], bt, k, n, sbb, b.stride(-2), b.stride(-1),
-        r.data_ptr() if r is not None else 0, p, p + 4 * big, p + 8 * big,
-        p + 12 * big, p + 4 * (3 * big + 8 * small), threads,
-    )
-    return buf, mu_scale
+    buf = torch.empty(_encoding_bytes(bb[0], b.shape[-2], -(-b.shape[-1] // SEGMENT)), dtype=torch.uint8)
+    return buf, _encode_at(ext, b, r, threads, bb, buf.data_ptr())
 
 
 def _weight_side_of(b: Tensor, buf: Tensor, mu_scale: float) -> WeightSide:
@@ -287,78 +299,151 @@ def native_check(req: object, threads: int | None = None, force_threads: bool = 
     a ``WeightSide`` unless a segment fails).
     ``threads``: at most this many (default ``torch.get_num_threads()``); the kernel
     uses one below ``OMP_MIN`` elements read on torch's OpenMP pool (``PAR_MIN`` with
-    pthreads) unless ``force_threads`` (tests). Never
-    writes to an input.
+    pthreads) unless ``force_threads`` (tests). Never writes to an input.
     """
     ext = _load()
     if ext is None:
         return None
-    a, c = req.a, req.c  # type: ignore[attr-defined]
-    ws = req.weight  # type: ignore[attr-defined]
-    r = _checksum32(req.checksum_weight)  # type: ignore[attr-defined]
-    m, n, k = c.shape[-2], c.shape[-1], a.shape[-1]
-    nseg = -(-n // SEGMENT)
-    enc = None
-    if ws is None:
-        # cold: the weight side into one scratch buffer, no WeightSide unless a segment
-        # fails (explain_failures needs one)
-        b = req.b  # type: ignore[attr-defined]
-        if _weight_reason(b, req.checksum_weight) is None:  # type: ignore[attr-defined]
-            enc = _encode(ext, b, r, _threads(threads, force_threads))
-        if enc is None:
-            ws = native_weight_side(b, req.checksum_weight)  # type: ignore[attr-defined]
-    if enc is not None:
-        buf, mu_scale = enc
-        kw = b.shape[-2]
-        big = kw * nseg * (b.numel() // (kw * b.shape[-1]))
-        small = big // kw
-        p = buf.data_ptr()
-        br_ptr, sbrs, flat = p, kw, b.dim() == 2
-        f_mean, f_cross_mu, f_cross_sd, f_spread = (p + 4 * (3 * big + j * small) for j in range(4, 8))
-    else:
-        prep = _prepared(ws)
-        br_ptr, sbrs, flat, mu_scale, kw = prep.br_ptr, prep.sbrs, prep.flat, prep.mu_scale, ws.k
-        f_mean, f_cross_mu, f_cross_sd, f_spread = prep.f_ptrs
-    alpha, beta = req.alpha, req.beta  # type: ignore[attr-defined]
-    bias = req.bias if req.beta != 0.0 else None  # type: ignore[attr-defined]
-    sa, sc = a.stride(), c.stride()
-    if c.dim() == 2 and flat:
-        batch: tuple[int, ...] = ()
-        nb0 = nb1 = 1
-        sa0 = sa1 = sc0 = sc1 = sb0 = sb1 = sbr0 = sbr1 = sf0 = sf1 = 0
-    else:
-        batch = tuple(c.shape[:-2])
-        layout = _layout(req, ws)
-        if layout is None:
-            return None
-        (nb0, nb1), ((sa0, sa1), (sc0, sc1), (sb0, sb1), (sbr0, sbr1), (sf0, sf1)) = layout
-    bias_ptr, bias_dt, sbm, sbn = _bias_args(bias)
-    shape = (*batch, m, nseg)
+    call = _Call.of(ext, req, _threads(threads, force_threads))
+    if call is None:
+        return None
+    enc = torch.empty(call.enc_bytes, dtype=torch.uint8) if call.enc_bytes else None
+    shape = (*call.batch, call.m, call.nseg)
     vals = torch.empty((2, *shape), dtype=torch.float32)
-    rows = torch.empty((3, *batch, m), dtype=torch.float32)
+    rows = torch.empty((3, *call.batch, call.m), dtype=torch.float32)
     flags = torch.empty((2, *shape), dtype=torch.bool)
-    c_dtype = c.dtype
-    tiny, bias_round = _C_CONST[c_dtype]
-    all_ok, worst = ext.check(
-        m, n, k, nb0, nb1,
-        a.data_ptr(), _DT[a.dtype], sa0, sa1, sa[-2], sa[-1],
-        c.data_ptr(), _DT[c_dtype], sc0, sc1, sc[-2], sc[-1],
-        bias_ptr, bias_dt, sb0, sb1, sbm, sbn,
-        r.data_ptr() if r is not None else 0,
-        br_ptr, sbr0, sbr1, sbrs,
-        f_mean, f_cross_mu, f_cross_sd, f_spread, sf0, sf1,
-        mu_scale, abs(alpha) * effective_e_max(req.e_max, kw, c_dtype),  # type: ignore[attr-defined]
-        alpha, beta, tiny, bias_round,
-        vals.data_ptr(), rows.data_ptr(), flags.data_ptr(),
-        _threads(threads, force_threads),
-    )
-    diff, threshold = vals
+    all_ok, worst = call.run(enc.data_ptr() if enc is not None else 0, vals.data_ptr(), rows.data_ptr(),
+                             flags.data_ptr())
+    diff, threshold = vals.unbind(0)
+    ok, bad = flags.unbind(0)
     if all_ok:  # every segment passed and everything is finite: nothing to explain
-        return AbftCheck(flags[0], flags[1], flags[1], diff, threshold, clear=True, worst_ratio=worst)
+        return AbftCheck(ok, bad, bad, diff, threshold, clear=True, worst_ratio=worst)
     bias_sum = bias_abs = None
-    if bias is not None:
-        bias_sum, bias_abs = _bias_sums(bias, n, r, beta)
+    if call.bias is not None:
+        bias_sum, bias_abs = _bias_sums(call.bias, call.n, _checksum32(req.checksum_weight),  # type: ignore[attr-defined]
+                                        req.beta)  # type: ignore[attr-defined]
     mu, hi, lo = (t.unsqueeze(-1) for t in rows)
-    if ws is None:
-        ws = _weight_side_of(b, *enc)
-    return explain_failures(flags[0], diff, threshold, k, mu, hi, lo, ws, alpha, c_dtype, bias_sum, bias_abs)
+    ws = call.ws if enc is None else _weight_side_of(req.b, enc, call.mu_scale)  # type: ignore[attr-defined]
+    return explain_failures(ok, diff, threshold, call.k, mu, hi, lo, ws, req.alpha, req.c.dtype,  # type: ignore[attr-defined]
+                            bias_sum, bias_abs)
+
+
+class Scratch:
+    """Memory reused from one ``native_clear`` to the next, per thread (the kernels run
+    with the GIL released: two threads may verify at once)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def pointer(self, nbytes: int) -> int:
+        """The address of at least ``nbytes`` bytes, 64-byte aligned, valid until the next
+        call from this thread."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < nbytes + 64:
+            buf = self._local.buf = torch.empty(max(nbytes + 64, 1 << 20), dtype=torch.uint8)
+        p = buf.data_ptr()
+        return p + (-p % 64)
+
+
+def native_clear(req: object, scratch: Scratch) -> float | None:
+    """The worst ``D / T`` of ``req`` when its check comes out clear (every segment passed,
+    everything finite), else ``None``; ``None`` too where the kernels do not cover it.
+
+    The guard's hot path: a clear check's masks and D / T are never looked at, so they
+    go to ``scratch``, and so does a cold ``b``'s encoding, instead of new tensors. That
+    saves the Python of up to four allocations and of the ``AbftCheck``, about a quarter
+    of a small GEMM's verification. On ``None`` the caller runs ``native_check`` for the
+    whole story (failures are rare: the check runs twice then).
+    """
+    ext = _load()
+    if ext is None:
+        return None
+    call = _Call.of(ext, req, _threads(None, False))
+    if call is None:
+        return None
+    enc = call.enc_bytes + (-call.enc_bytes % 64)
+    segs, rows = call.nb * call.m * call.nseg, call.nb * call.m
+    p = scratch.pointer(enc + 10 * segs + 12 * rows)
+    all_ok, worst = call.run(p, p + enc, p + enc + 8 * segs, p + enc + 8 * segs + 12 * rows)
+    return worst if all_ok else None
+
+
+class _Call:
+    """One check's arguments for ``ext.check``, but for where its outputs (and a cold
+    ``b``'s encoding) go: ``native_check`` gives new tensors, ``native_clear`` scratch."""
+
+    __slots__ = ("ext", "threads", "head", "tail", "batch", "nb", "m", "n", "nseg", "k", "bias",
+                 "enc_bytes", "encode", "ws", "warm", "sf", "mu_scale")
+
+    @classmethod
+    def of(cls, ext: types.ModuleType, req: object, threads: int) -> "_Call | None":
+        """The call for ``req``, or ``None`` where the kernels cannot walk its layout."""
+        call = cls()
+        return call if call._build(ext, req, threads) else None
+
+    def _build(self, ext: types.ModuleType, req: object, threads: int) -> bool:
+        a, b, c = req.a, req.b, req.c  # type: ignore[attr-defined]
+        self.ext, self.threads = ext, threads
+        ws = req.weight  # type: ignore[attr-defined]
+        r = _checksum32(req.checksum_weight)  # type: ignore[attr-defined]
+        m, n, k = c.shape[-2], c.shape[-1], a.shape[-1]
+        self.m, self.n, self.k, self.nseg = m, n, k, -(-n // SEGMENT)
+        self.enc_bytes, self.encode = 0, None
+        if ws is None:
+            bb = _ws_batch(b) if _weight_reason(b, req.checksum_weight) is None else None  # type: ignore[attr-defined]
+            if bb is None:  # the kernels cannot encode b in one buffer: torch's encoding, kept
+                ws = native_weight_side(b, req.checksum_weight)  # type: ignore[attr-defined]
+            else:  # cold: encoded by run() into the caller's buffer
+                self.enc_bytes = _encoding_bytes(bb[0], b.shape[-2], self.nseg)
+                self.encode = (b, r, bb)
+        self.ws = ws
+        if ws is not None:
+            prep = _prepared(ws)
+            self.warm = (prep.br_ptr, prep.sbrs, *prep.f_ptrs)
+            flat, self.mu_scale, kw = prep.flat, prep.mu_scale, ws.k
+        else:
+            self.warm, flat, self.mu_scale, kw = None, b.dim() == 2, 0.0, b.shape[-2]
+        if c.dim() == 2 and flat:
+            self.batch, self.nb = (), 1
+            nb0 = nb1 = 1
+            sa0 = sa1 = sc0 = sc1 = sb0 = sb1 = sbr0 = sbr1 = sf0 = sf1 = 0
+        else:
+            self.batch = tuple(c.shape[:-2])
+            layout = _layout(req, ws)
+            if layout is None:
+                return False
+            (nb0, nb1), ((sa0, sa1), (sc0, sc1), (sb0, sb1), (sbr0, sbr1), (sf0, sf1)) = layout
+            self.nb = nb0 * nb1
+        alpha, beta = req.alpha, req.beta  # type: ignore[attr-defined]
+        self.bias = bias = req.bias if beta != 0.0 else None  # type: ignore[attr-defined]
+        bias_ptr, bias_dt, sbm, sbn = _bias_args(bias)
+        sa, sc = a.stride(), c.stride()
+        tiny, bias_round = _C_CONST[c.dtype]
+        self.head = (
+            m, n, k, nb0, nb1,
+            a.data_ptr(), _DT[a.dtype], sa0, sa1, sa[-2], sa[-1],
+            c.data_ptr(), _DT[c.dtype], sc0, sc1, sc[-2], sc[-1],
+            bias_ptr, bias_dt, sb0, sb1, sbm, sbn,
+            r.data_ptr() if r is not None else 0,
+        )
+        self.sf = (sbr0, sbr1, sf0, sf1)
+        self.tail = (abs(alpha) * effective_e_max(req.e_max, kw, c.dtype),  # type: ignore[attr-defined]
+                     alpha, beta, tiny, bias_round)
+        return True
+
+    def run(self, enc: int, vals: int, rows: int, flags: int) -> tuple[bool, float]:
+        """Encode a cold ``b`` at ``enc`` (``enc_bytes``), then check into ``vals`` (D, T:
+        fp32 [2, nb, M, nseg]), ``rows`` (mean, max, min of A's rows: fp32 [3, nb, M])
+        and ``flags`` (ok, inputs bad: bool [2, nb, M, nseg]). Returns (every segment
+        passed with D and T finite, the largest D / T)."""
+        if self.encode is not None:
+            b, r, bb = self.encode
+            self.mu_scale = _encode_at(self.ext, b, r, self.threads, bb, enc)
+            big = b.shape[-2] * self.nseg * bb[0]
+            small = big // b.shape[-2]
+            br_ptr, sbrs, factors = enc, b.shape[-2], [enc + 4 * (3 * big + j * small) for j in range(4, 8)]
+        else:
+            br_ptr, sbrs, *factors = self.warm
+        sbr0, sbr1, sf0, sf1 = self.sf
+        return self.ext.check(*self.head, br_ptr, sbr0, sbr1, sbrs, *factors, sf0, sf1, self.mu_scale, *self.tail,
+                              vals, rows, flags, self.threads)

@@ -453,3 +453,49 @@ def test_pthreads_fallback_same_bits(tmp_path: Path) -> None:
     for got in out.values():
         assert torch.equal(got["br"], ws.br)
         assert torch.equal(got["diff"], one.diff) and torch.equal(got["threshold"], one.threshold)
+
+
+@needs_native
+def test_clear_check_into_scratch_agrees_with_the_full_check() -> None:
+    """``native_clear`` (the guard's path: outputs into reused scratch) gives the full
+    check's worst D/T for clear checks of every shape kind, in any order (the scratch
+    grows and is reused), and ``None`` wherever the full check is not clear."""
+    scratch = native.Scratch()
+    a, w = randn(70, 300, seed=51), randn(600, 300, seed=52)
+    ab, bb = randn(3, 40, 64, seed=53), randn(3, 64, 90, seed=54)
+    bias = randn(600, seed=55)
+    cases = [
+        request(a, w.t(), a @ w.t()),  # cold
+        request(a, w.t(), a @ w.t(), weight=native.native_weight_side(w.t())),  # warm
+        request(ab, bb, ab @ bb),  # batched, cold
+        request(a[:5], w.t(), a[:5] @ w.t()),  # smaller after larger: scratch reused
+        request(a, w.t(), torch.addmm(bias, a, w.t()), bias=bias),
+    ]
+    for req in cases * 2:
+        full = native.native_check(req)
+        assert full.clear
+        assert native.native_clear(req, scratch) == full.worst_ratio
+    for req in cases:
+        c = req.c.clone()
+        c.view(-1)[7] += 1e3
+        assert native.native_clear(replace(req, c=c), scratch) is None
+        c.view(-1)[7] = float("nan")
+        assert native.native_clear(replace(req, c=c), scratch) is None
+    a_nan = a.clone()
+    a_nan[3, 4] = float("inf")
+    assert native.native_clear(request(a_nan, w.t(), a @ w.t()), scratch) is None
+    assert [t.numel() for t in (a, w, ab, bb, bias)] and torch.equal(a, randn(70, 300, seed=51))
+
+
+@needs_native
+def test_cpu_backend_summary_locates_corruption() -> None:
+    """``CpuBackend.summarize``: no mask when clear; a corrupted element gives the full
+    check's mask and summary (the check is rerun in full)."""
+    a, w = randn(33, 128, seed=56), randn(520, 128, seed=57)
+    c = a @ w.t()
+    sdc, summary = CPU.summarize(request(a, w.t(), c))
+    assert sdc is None and summary[0] == 0 and 0 < summary[1] < 1
+    c[17, 300] += 1e3
+    sdc, summary = CPU.summarize(request(a, w.t(), c))
+    assert sdc.nonzero().tolist() == [[17, 1]]
+    assert summary[0] == 1 and summary[1] > 1
