@@ -17,7 +17,7 @@
  * Files, one concept each:
  *   lanes.h        16-lane fp32 vectors, dtype conversion, fixed reduction trees;
  *   runs.h         sum / max / min of a contiguous run in a fixed lane order;
- *   parallel.c     the per-call pthread split and when to use it;
+ *   parallel.c     the per-call split (on torch's OpenMP pool, else pthreads) and when;
  *   weight_side.c  B -> Br, its statistics, aggregates and threshold factors;
  *   check.h        the check's blocking, scratch and internal interface;
  *   check_a.c      the check's pass over A: row statistics and A Br per segment;
