@@ -144,7 +144,7 @@ static int chk_work(void *vctx, int64_t i0, int64_t i1) {
         int64_t rows = c->m - m0 < c->rb ? c->m - m0 : c->rb;
         const char *pa = c->a + (b0 * c->sa0 + b1 * c->sa1 + m0 * c->sam) * ESZ[c->adt];
         const float *br = c->br + b0 * c->sbr0 + b1 * c->sbr1;
-        if (c->rb == RBC) {
+        if (c->acols) {
             vabft_a_cols(c, pa, rows, br, w.abuf, w.acc, w.sum, w.hi, w.lo, w.ref);
         } else {
             vabft_a_rows(c, pa, rows, br, w.abuf, w.acc, w.sum, w.hi, w.lo, w.ref);
@@ -175,11 +175,22 @@ static int chk_work(void *vctx, int64_t i0, int64_t i1) {
 }
 
 int vabft_check(chk_ctx *c, int threads, float *worst) {
-    /* column-major A: blocks of RBC rows read as long streams per k */
-    c->rb = c->sak != 1 && c->sam == 1 ? RBC : RB;
-    c->items_per_batch = (c->m + c->rb - 1) / c->rb;
-    int64_t nb = c->nb0 * c->nb1, items = nb * c->items_per_batch;
+    int64_t nb = c->nb0 * c->nb1;
     threads = vabft_threads(threads, nb * c->m * (c->k + c->n));
+    /* column-major A: blocks of up to RBC rows read as long streams per k; fewer rows per
+     * block when the batch has too few blocks to give every thread one (M = 256 would
+     * be one item, on one thread), in equal multiples of 16 (a row's arithmetic does
+     * not depend on its block) */
+    c->acols = c->sak != 1 && c->sam == 1;
+    c->rb = c->acols ? RBC : RB;
+    if (c->acols && threads > 1) {
+        int64_t per = (threads + nb - 1) / nb, need = (c->m + RBC - 1) / RBC;
+        if (per > need) need = per;
+        int64_t rb = ((c->m + need - 1) / need + 15) & ~(int64_t)15;
+        c->rb = rb < RBC ? rb : RBC;
+    }
+    c->items_per_batch = (c->m + c->rb - 1) / c->rb;
+    int64_t items = nb * c->items_per_batch;
     c->worst = (float *)malloc((size_t)items * sizeof(float));
     if (!c->worst) return -1;
     int rc = vabft_parallel(chk_work, c, items, threads);

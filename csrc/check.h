@@ -2,8 +2,9 @@
  * check.h: what the three files of the check share (check_a.c, check_sums.c, check.c).
  *
  * A work item is one block of rows of one batch entry: RB rows when A is row-major (or
- * strided), RBC rows when A is column-major (read as long streams of RBC elements per
- * k). For its rows the item computes the statistics of A and the reference checksum
+ * strided), up to RBC rows when A is column-major (read as long streams of that many
+ * elements per k; fewer when a small M would leave a thread without an item). For its
+ * rows the item computes the statistics of A and the reference checksum
  * A Br per segment (check_a.c), the segment sums of C and the bias (check_sums.c), then
  * D, T and the verdicts (check.c), all into one scratch laid out [segment][row], so that
  * the verdict runs over 16 rows per vector.

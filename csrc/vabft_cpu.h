@@ -93,6 +93,7 @@ int vabft_weight_side(ws_ctx *c, float *agg, uint8_t *bad, int threads, float *m
 
 typedef struct {
     int64_t m, n, k, nseg, nb0, nb1, items_per_batch, rb;
+    int acols; /* set by vabft_check: A column-major, read in blocks of rb <= RBC rows */
     const char *a;
     int adt;
     int64_t sa0, sa1, sam, sak;
@@ -113,7 +114,7 @@ typedef struct {
     float *worst;                     /* [work items]: largest D / T of each item's rows */
 } chk_ctx;
 
-/* Fills diff / thr / mu / hi / lo / ok / zero of c (every other field but rb,
+/* Fills diff / thr / mu / hi / lo / ok / zero of c (every other field but rb, acols,
  * items_per_batch and worst set) and *worst, the largest D / T over segments whose
  * verdict is finite. Returns whether every segment passed with D and T finite, or -1
  * when memory ran out. No Python. */

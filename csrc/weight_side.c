@@ -8,11 +8,12 @@
  * needs nothing of B but these.
  *
  * Both layouts reduce each run in the order that runs.h fixes, so Br does not depend on
- * B's strides; the aggregates run on one thread in k order, so they do not depend on the
- * thread count.
+ * B's strides; the aggregates run on one thread in a fixed order, so they do not depend on
+ * the thread count.
  */
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "runs.h"
 
@@ -172,9 +173,24 @@ static int ws_cols(void *vctx, int64_t i0, int64_t i1) {
     return 1;
 }
 
+typedef double v16d __attribute__((vector_size(128)));
+
+/* the 16 lanes of v summed by a fixed tree (lane j + w into lane j, w = 8, 4, 2, 1) */
+static double dsum16(const v16d *v) {
+    double t[16];
+    memcpy(t, v, sizeof t);
+    for (int w = 8; w >= 1; w /= 2)
+        for (int j = 0; j < w; j++) t[j] = t[j] + t[j + w];
+    return t[0];
+}
+
 /* Per segment: the aggregates of abft.weight_side and the factors of WeightSide._factors.
- * Sums over k run in double, in k order (one thread: the result does not depend on the
- * thread count). agg is [9][bt][nseg]: p1, p2, v, col_norm, f_mean, f_cross_mu,
+ * Sums over k run in double on one thread (the result does not depend on the thread
+ * count), 16 k at a time: k goes to lane k % 16 (a tail padded with zeros, which add
+ * nothing), then the lanes reduce by a fixed tree. Vectors rather than one k at a time
+ * because this runs between the threaded encode and the check while the other threads
+ * wait: one k at a time (a chain of dependent double adds) it took a fifth of a small
+ * batched weight side. agg is [9][bt][nseg]: p1, p2, v, col_norm, f_mean, f_cross_mu,
  * f_cross_sd, f_spread, and bad as 0 / 1 in the last plane. Returns mu_scale. */
 static float ws_aggregate(const ws_ctx *c, float *agg, uint8_t *bad) {
     int64_t plane = c->bt * c->nseg;
@@ -186,21 +202,34 @@ static float ws_aggregate(const ws_ctx *c, float *agg, uint8_t *bad) {
             int64_t o = bi * c->nseg + s;
             const float *br = c->br + o * c->k, *hi = c->hi + o * c->k, *lo = c->lo + o * c->k;
             float w = (float)seg_width(c->n, s);
-            double p1 = 0, p2 = 0, v = 0, cn = 0;
-            for (int64_t k = 0; k < c->k; k++) {
-                float mu = br[k] / w;
-                float var = fabsf((hi[k] - mu) * (mu - lo[k]));
-                float m = (isnan(hi[k]) || isnan(lo[k])) ? NAN : (hi[k] > -lo[k] ? hi[k] : -lo[k]);
-                p1 += fabsf(mu);
-                p2 += mu * mu;
-                v += var;
-                cn += m * m;
+            v16d p1 = {0}, p2 = {0}, v = {0}, cn = {0};
+            for (int64_t k0 = 0; k0 < c->k; k0 += 16) {
+                int64_t nk = c->k - k0 < 16 ? c->k - k0 : 16;
+                v16 vb = splat(0.0f), vh = vb, vl = vb;
+                if (nk == 16) {
+                    vb = vld(br + k0), vh = vld(hi + k0), vl = vld(lo + k0);
+                } else {
+                    for (int64_t j = 0; j < nk; j++) vb[j] = br[k0 + j], vh[j] = hi[k0 + j], vl[j] = lo[k0 + j];
+                }
+                v16 mu = vb / splat(w);
+                v16 var = vabs((vh - mu) * (mu - vl));
+                v16i gt = vh > -vl;
+                v16 m = (v16)((gt & (v16i)vh) | (~gt & (v16i)(-vl)));
+                v16i nan = (vh != vh) | (vl != vl);
+                m = (v16)((nan & (v16i)splat(NAN)) | (~nan & (v16i)m));
+                if (nk < 16) /* padding lanes add 0 */
+                    for (int64_t j = nk; j < 16; j++) mu[j] = var[j] = m[j] = 0.0f;
+                p1 += __builtin_convertvector(vabs(mu), v16d);
+                p2 += __builtin_convertvector(mu * mu, v16d);
+                v += __builtin_convertvector(var, v16d);
+                cn += __builtin_convertvector(m * m, v16d);
             }
-            float P1 = (float)p1, P2 = (float)p2, V = (float)v;
+            double p1s = dsum16(&p1), p2s = dsum16(&p2), vs = dsum16(&v), cns = dsum16(&cn);
+            float P1 = (float)p1s, P2 = (float)p2s, V = (float)vs;
             p1o[o] = P1;
             p2o[o] = P2;
             vo[o] = V;
-            cno[o] = sqrtf((float)cn);
+            cno[o] = sqrtf((float)cns);
             bad[o] = !(isfinite(P1) && isfinite(V));
             float sqrt_n = sqrtf(w), sqrt_v = sqrtf(V);
             fm[o] = w * P1;
