@@ -1,0 +1,262 @@
+"""How the native kernels' arguments are laid out: dtype codes, pointers and strides of a
+check (``Call``) or an encoding, the buffer an encoding is written to, and the batch dims
+collapsed into the kernels' two strides.
+
+Why a module of its own: ``sdc_guard.native`` says what the ``cpu`` backend does (which
+calls it covers, the check, its clear fast path, the weight side); this is the
+bookkeeping that turns a ``GemmRequest`` into the ~50 integers the C entry points take,
+and a kernel's output buffer back into tensors. Every function here is pure Python on
+shapes, strides and addresses, apart from ``encode_at`` and ``Call.run``, which call the
+extension they are given.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import Tensor
+
+from .abft import WeightSide, effective_e_max, weight_side
+from .batching import batch_strides, collapse_batch, contiguous_strides
+from .precision import SEGMENT, TINY, bias_rounding
+from .segments import _segment_constants
+
+__all__ = [
+    "C_CONSTANTS", "Call", "DTYPE_CODE", "Prepared", "bias_args", "checksum32", "encode_at", "encoding_bytes",
+    "layout", "prepared", "weight_reason", "weight_side_of", "ws_batch",
+]
+
+#: dtype -> the kernel's dtype code
+DTYPE_CODE: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+#: constants per C dtype: (TINY, bias_rounding)
+C_CONSTANTS: dict[torch.dtype, tuple[float, float]] = {dt: (TINY[dt], bias_rounding(dt)) for dt in DTYPE_CODE}
+
+def weight_reason(b: Tensor, checksum_weight: Tensor | None) -> str | None:
+    if b.device.type != "cpu":
+        return f"b is on {b.device.type}, the native kernels run on cpu"
+    if b.dtype not in DTYPE_CODE:
+        return f"b: dtype {b.dtype} is not bfloat16, float16 or float32"
+    if b.dim() < 2 or b.numel() == 0:
+        return "b: empty or not a matrix"
+    if checksum_weight is not None and (checksum_weight.device.type != "cpu" or checksum_weight.shape != b.shape[-1:]):
+        return "checksum_weight: not a CPU vector of N"
+    if b.dim() > 3 and collapse_batch(b.shape[:-2], [list(b.stride()[:-2])]) is None:
+        return "b: batch dims that one stride cannot walk"
+    return None
+
+
+def checksum32(checksum_weight: Tensor | None) -> Tensor | None:
+    if checksum_weight is None:
+        return None
+    return checksum_weight.detach().to(torch.float32).contiguous()
+
+
+def ws_batch(b: Tensor) -> tuple[int, int] | None:
+    """(batch count, batch stride) of ``b`` for the kernel, or ``None`` (two strides)."""
+    bshape = b.shape[:-2]
+    if len(bshape) <= 1:
+        return (bshape[0], b.stride(0)) if bshape else (1, 0)
+    collapsed = collapse_batch(bshape, [list(b.stride()[:-2])])
+    assert collapsed is not None
+    (size0, size1), ((s0, s1),) = collapsed
+    if size0 != 1:  # two strides: encode each leading slice by itself would cost more code than it saves
+        return None
+    return size1 * size0, s1
+
+
+def encoding_bytes(bt: int, k: int, nseg: int) -> int:
+    """Bytes of an encoding buffer (its layout: ``native._encode``)."""
+    big, small = bt * nseg * k, bt * nseg
+    return 4 * (3 * big + 8 * small) + small
+
+
+def encode_at(ext: types.ModuleType, b: Tensor, r: Tensor | None, threads: int, bb: tuple[int, int],
+               p: int) -> float:
+    """The weight side of ``b`` (batch count and stride ``bb``) into the buffer at ``p``;
+    returns ``mu_scale``."""
+    bt, sbb = bb
+    k, n = b.shape[-2], b.shape[-1]
+    nseg = -(-n // SEGMENT)
+    big, small = bt * nseg * k, bt * nseg
+    return ext.weight_side(
+        b.data_ptr(), DTYPE_CODE[b.dtype], bt, k, n, sbb, b.stride(-2), b.stride(-1),
+        r.data_ptr() if r is not None else 0, p, p + 4 * big, p + 8 * big,
+        p + 12 * big, p + 4 * (3 * big + 8 * small), threads,
+    )
+
+
+def weight_side_of(b: Tensor, buf: Tensor, mu_scale: float) -> WeightSide:
+    """The ``WeightSide`` of an encoding buffer (``native._encode``): ``br`` segment-major (as ``abft``
+    stores it) and its threshold factors precomputed."""
+    k, n = b.shape[-2], b.shape[-1]
+    nseg = -(-n // SEGMENT)
+    bshape = tuple(b.shape[:-2])
+    big = nseg * k
+    for size in bshape:
+        big *= size
+    small = big // k
+    # few torch calls (each costs a microsecond or two; this runs once per encoding):
+    # one unbind for the eight aggregate planes, one for the four factor views
+    nfloat = 3 * big + 8 * small
+    floats = buf[: 4 * nfloat].view(torch.float32)
+    br = floats[:big].view(*bshape, nseg, k)
+    agg = floats[3 * big:].view(8, *bshape, nseg)
+    p1, p2, v, col_norm = agg[:4].unbind(0)
+    bad = buf[4 * nfloat:].view(torch.bool).view(*bshape, nseg)
+    widths = _segment_constants(n, b.device)[0]
+    ws = WeightSide(br.mT, p1, p2, v, col_norm, bad, widths, k, n)
+    # the factors of the threshold's bracket, computed by the kernel exactly as
+    # WeightSide._factors computes them (a cached_property: its slot is the instance dict)
+    ws.__dict__["_factors"] = (*agg[4:].unsqueeze(-2).unbind(0), float(mu_scale))
+    return ws
+
+
+class Prepared:
+    """What the check needs of a ``WeightSide``, taken once per encoding (its tensors stay
+    alive with it): pointers, shapes and strides of ``Br`` and of the four factors."""
+
+    __slots__ = ("br", "br_ptr", "br_shape", "br_strides", "sbrs", "factors", "f_ptrs", "f_shape",
+                 "f_strides", "mu_scale", "flat")
+
+    def __init__(self, ws: WeightSide) -> None:
+        br = ws.br
+        if br.shape[-2] > 1 and br.stride(-2) != 1:
+            br = br.mT.contiguous().mT  # segment-major, as the kernel reads it
+        f_mean, f_cross_mu, f_cross_sd, f_spread, mu_scale = ws._factors
+        factors = [f.contiguous() for f in torch.broadcast_tensors(f_mean, f_cross_mu, f_cross_sd, f_spread)]
+        self.br, self.factors = br, factors
+        self.br_ptr = br.data_ptr()
+        self.br_shape, self.br_strides = tuple(br.shape), tuple(br.stride())
+        self.sbrs = br.stride(-1)
+        self.f_ptrs = tuple(f.data_ptr() for f in factors)
+        self.f_shape, self.f_strides = tuple(factors[0].shape), tuple(factors[0].stride())
+        self.mu_scale = float(mu_scale)
+        self.flat = br.dim() == 2 and factors[0].dim() == 2  #: no batch dims
+
+
+def prepared(ws: WeightSide) -> Prepared:
+    prep = ws.__dict__.get("_native")
+    if prep is None:
+        prep = ws.__dict__["_native"] = Prepared(ws)
+    return prep
+
+
+def layout(req: object, ws: WeightSide | None) -> tuple[list[int], list[list[int]]] | None:
+    """Batch sizes and strides (A, C, bias, Br, factors) of a batched call, or ``None``."""
+    a, c, bias = req.a, req.c, req.bias  # type: ignore[attr-defined]
+    batch = c.shape[:-2]
+    if ws is not None:
+        prep = prepared(ws)
+        br_shape, br_strides, f_shape, f_strides = prep.br_shape, prep.br_strides, prep.f_shape, prep.f_strides
+    else:  # what native_weight_side produces for b
+        b = req.b  # type: ignore[attr-defined]
+        bb = tuple(b.shape[:-2])
+        nseg = -(-b.shape[-1] // SEGMENT)
+        br_shape, f_shape = (*bb, b.shape[-2], nseg), (*bb, 1, nseg)
+        *outer, seg_stride, k_stride = contiguous_strides((*bb, nseg, b.shape[-2]))
+        br_strides = (*outer, k_stride, seg_stride)
+        f_strides = contiguous_strides(f_shape)
+    per = [
+        batch_strides(a.shape, a.stride(), batch, 2),
+        batch_strides(c.shape, c.stride(), batch, 2),
+        batch_strides(bias.shape, bias.stride(), batch, 2) if bias is not None and bias.dim() > 2 else [0] * len(batch),
+        batch_strides(br_shape, br_strides, batch, 2),
+        batch_strides(f_shape, f_strides, batch, 2),
+    ]
+    return collapse_batch(batch, per)
+
+
+def bias_args(bias: Tensor | None) -> tuple[int, int, int, int]:
+    """Pointer, dtype code and (row, column) strides of the bias as the kernel reads it:
+    0 strides where it broadcasts; all 0 without a bias."""
+    if bias is None:
+        return 0, 0, 0, 0
+    bias_v = bias.reshape(1) if bias.dim() == 0 else bias
+    if bias_v.dim() == 1:
+        sbm, sbn = 0, (bias_v.stride(0) if bias_v.shape[0] != 1 else 0)
+    else:
+        sbm = bias_v.stride(-2) if bias_v.shape[-2] != 1 else 0
+        sbn = bias_v.stride(-1) if bias_v.shape[-1] != 1 else 0
+    return bias_v.data_ptr(), DTYPE_CODE[bias_v.dtype], sbm, sbn
+
+
+class Call:
+    """One check's arguments for ``ext.check``, but for where its outputs (and a cold
+    ``b``'s encoding) go: ``native_check`` gives new tensors, ``native_clear`` scratch."""
+
+    __slots__ = ("ext", "threads", "head", "tail", "batch", "nb", "m", "n", "nseg", "k", "bias",
+                 "enc_bytes", "encode", "ws", "warm", "sf", "mu_scale")
+
+    @classmethod
+    def of(cls, ext: types.ModuleType, req: object, threads: int) -> "Call | None":
+        """The call for ``req``, or ``None`` where the kernels cannot walk its layout."""
+        call = cls()
+        return call if call._build(ext, req, threads) else None
+
+    def _build(self, ext: types.ModuleType, req: object, threads: int) -> bool:
+        a, b, c = req.a, req.b, req.c  # type: ignore[attr-defined]
+        self.ext, self.threads = ext, threads
+        ws = req.weight  # type: ignore[attr-defined]
+        r = checksum32(req.checksum_weight)  # type: ignore[attr-defined]
+        m, n, k = c.shape[-2], c.shape[-1], a.shape[-1]
+        self.m, self.n, self.k, self.nseg = m, n, k, -(-n // SEGMENT)
+        self.enc_bytes, self.encode = 0, None
+        if ws is None:
+            bb = ws_batch(b) if weight_reason(b, req.checksum_weight) is None else None  # type: ignore[attr-defined]
+            if bb is None:  # the kernels cannot encode b in one buffer: torch's encoding, kept
+                ws = weight_side(b, req.checksum_weight)  # type: ignore[attr-defined]
+            else:  # cold: encoded by run() into the caller's buffer
+                self.enc_bytes = encoding_bytes(bb[0], b.shape[-2], self.nseg)
+                self.encode = (b, r, bb)
+        self.ws = ws
+        if ws is not None:
+            prep = prepared(ws)
+            self.warm = (prep.br_ptr, prep.sbrs, *prep.f_ptrs)
+            flat, self.mu_scale, kw = prep.flat, prep.mu_scale, ws.k
+        else:
+            self.warm, flat, self.mu_scale, kw = None, b.dim() == 2, 0.0, b.shape[-2]
+        if c.dim() == 2 and flat:
+            self.batch, self.nb = (), 1
+            nb0 = nb1 = 1
+            sa0 = sa1 = sc0 = sc1 = sb0 = sb1 = sbr0 = sbr1 = sf0 = sf1 = 0
+        else:
+            self.batch = tuple(c.shape[:-2])
+            walk = layout(req, ws)
+            if walk is None:
+                return False
+            (nb0, nb1), ((sa0, sa1), (sc0, sc1), (sb0, sb1), (sbr0, sbr1), (sf0, sf1)) = walk
+            self.nb = nb0 * nb1
+        alpha, beta = req.alpha, req.beta  # type: ignore[attr-defined]
+        self.bias = bias = req.bias if beta != 0.0 else None  # type: ignore[attr-defined]
+        bias_ptr, bias_dt, sbm, sbn = bias_args(bias)
+        sa, sc = a.stride(), c.stride()
+        tiny, bias_round = C_CONSTANTS[c.dtype]
+        self.head = (
+            m, n, k, nb0, nb1,
+            a.data_ptr(), DTYPE_CODE[a.dtype], sa0, sa1, sa[-2], sa[-1],
+            c.data_ptr(), DTYPE_CODE[c.dtype], sc0, sc1, sc[-2], sc[-1],
+            bias_ptr, bias_dt, sb0, sb1, sbm, sbn,
+            r.data_ptr() if r is not None else 0,
+        )
+        self.sf = (sbr0, sbr1, sf0, sf1)
+        self.tail = (abs(alpha) * effective_e_max(req.e_max, kw, c.dtype),  # type: ignore[attr-defined]
+                     alpha, beta, tiny, bias_round)
+        return True
+
+    def run(self, enc: int, vals: int, rows: int, flags: int) -> tuple[bool, float]:
+        """Encode a cold ``b`` at ``enc`` (``enc_bytes``), then check into ``vals`` (D, T:
+        fp32 [2, nb, M, nseg]), ``rows`` (mean, max, min of A's rows: fp32 [3, nb, M])
+        and ``flags`` (ok, inputs bad: bool [2, nb, M, nseg]). Returns (every segment
+        passed with D and T finite, the largest D / T)."""
+        if self.encode is not None:
+            b, r, bb = self.encode
+            self.mu_scale = encode_at(self.ext, b, r, self.threads, bb, enc)
+            big = b.shape[-2] * self.nseg * bb[0]
+            small = big // b.shape[-2]
+            br_ptr, sbrs, factors = enc, b.shape[-2], [enc + 4 * (3 * big + j * small) for j in range(4, 8)]
+        else:
+            br_ptr, sbrs, *factors = self.warm
+        sbr0, sbr1, sf0, sf1 = self.sf
+        return self.ext.check(*self.head, br_ptr, sbr0, sbr1, sbrs, *factors, sf0, sf1, self.mu_scale, *self.tail,
+                              vals, rows, flags, self.threads)
