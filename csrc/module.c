@@ -1,11 +1,11 @@
 /*
  * module.c: the CPython bindings of the native backend, the module sdc_guard._vabft_cpu.
  *
- * Only argument marshalling: sdc_guard/native.py passes shapes, strides and raw data
+ * Only argument marshalling: sdc_guard/native_call.py passes shapes, strides and raw data
  * pointers as ints (it owns every buffer and its layout, so no buffer protocol or torch
  * is needed at build time), this file fills the kernels' contexts and calls them with the
- * GIL released. METH_FASTCALL keeps a call at a few ns per argument: native.py measures
- * the whole per-call overhead, and py_noop lets it measure the binding's own share.
+ * GIL released. METH_FASTCALL keeps a call at a few ns per argument (the tests measure
+ * the whole per-call overhead; py_noop isolates the binding's own share).
  * Nothing else of the backend includes Python.h.
  */
 #define PY_SSIZE_T_CLEAN
@@ -121,7 +121,7 @@ static PyObject *py_check(PyObject *self, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     c.nseg = (c.n + SEG - 1) / SEG;
-    /* the planes of native.py's output buffers */
+    /* the planes of native_call.py's output buffers */
     int64_t nb = c.nb0 * c.nb1, plane = nb * c.m * c.nseg;
     c.diff = vals;
     c.thr = vals + plane;
@@ -156,8 +156,8 @@ static PyObject *py_runtime(PyObject *self, PyObject *unused) {
 }
 
 static PyMethodDef methods[] = {
-    {"weight_side", (PyCFunction)(void (*)(void))py_weight_side, METH_FASTCALL, "V-ABFT weight side (see native.py)"},
-    {"check", (PyCFunction)(void (*)(void))py_check, METH_FASTCALL, "V-ABFT check (see native.py)"},
+    {"weight_side", (PyCFunction)(void (*)(void))py_weight_side, METH_FASTCALL, "V-ABFT weight side (native_call.py)"},
+    {"check", (PyCFunction)(void (*)(void))py_check, METH_FASTCALL, "V-ABFT check (native_call.py)"},
     {"runtime", (PyCFunction)(void (*)(void))py_runtime, METH_NOARGS, "the OpenMP runtime the kernels split work on"},
     {"noop", (PyCFunction)(void (*)(void))py_noop, METH_FASTCALL, "does nothing (overhead probe)"},
     {NULL, NULL, 0, NULL},

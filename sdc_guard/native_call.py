@@ -87,8 +87,8 @@ def encode_at(ext: types.ModuleType, b: Tensor, r: Tensor | None, threads: int, 
 
 
 def weight_side_of(b: Tensor, buf: Tensor, mu_scale: float) -> WeightSide:
-    """The ``WeightSide`` of an encoding buffer (``native._encode``): ``br`` segment-major (as ``abft``
-    stores it) and its threshold factors precomputed."""
+    """The ``WeightSide`` of an encoding buffer (``native._encode``): ``br`` segment-major
+    (as ``abft`` stores it) and its threshold factors precomputed."""
     k, n = b.shape[-2], b.shape[-1]
     nseg = -(-n // SEGMENT)
     bshape = tuple(b.shape[:-2])
