@@ -4,8 +4,8 @@
  * Only argument marshalling: sdc_guard/native_call.py passes shapes, strides and raw data
  * pointers as ints (it owns every buffer and its layout, so no buffer protocol or torch
  * is needed at build time), this file fills the kernels' contexts and calls them with the
- * GIL released. METH_FASTCALL keeps a call at a few ns per argument (the tests measure
- * the whole per-call overhead; py_noop isolates the binding's own share).
+ * GIL released. METH_FASTCALL keeps a call at a few ns per argument; py_noop, an entry
+ * point that does nothing, isolates the binding's own share when profiling a call.
  * Nothing else of the backend includes Python.h.
  */
 #define PY_SSIZE_T_CLEAN
