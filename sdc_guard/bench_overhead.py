@@ -4,7 +4,9 @@ For each shape and dtype, one run times, interleaved, the bare matmul and five w
 checking it (``bench_common`` says how):
 
 - ``cold``: V-ABFT with the weight side computed in the call (B read again every time,
-  as the Ascend operator of the proposal does);
+  as the Ascend operator of the proposal does), as ``protect()`` runs it
+  (``Backend.summarize``: the verdict and its summary; ``verify_matmul``, which also
+  returns D and T, costs a few microseconds more per call);
 - ``warm``: V-ABFT with a cached weight-side encoding (the steady state of inference, and
   of a training step's repeated uses of one weight);
 - ``legacy``: the pure-PyTorch checksum V-ABFT replaces (``sdc_guard.legacy``);
@@ -151,10 +153,10 @@ def measure_cell(dtype: torch.dtype, shape: tuple[int, int, int], device: torch.
     req = GemmRequest(a, b, c, e_max)
     backend = backends.select(req, args.backend)
     warm_req = replace(req, weight=backend.encode(b))  # as the weight cache would hold it
-    columns = {
+    columns = {  # verification as protect() runs it: the verdict and its summary
         "bare": lambda: product(a, b),
-        "cold": lambda: backend.check(req),
-        "warm": lambda: backend.check(warm_req),
+        "cold": lambda: backend.summarize(req),
+        "warm": lambda: backend.summarize(warm_req),
         "legacy": lambda: legacy_check(a, b, c),
     }
     if not args.no_recompute:
