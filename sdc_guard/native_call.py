@@ -185,7 +185,7 @@ class Call:
     """One check's arguments for ``ext.check``, but for where its outputs (and a cold
     ``b``'s encoding) go: ``native_check`` gives new tensors, ``native_clear`` scratch."""
 
-    __slots__ = ("ext", "threads", "head", "tail", "batch", "nb", "m", "n", "nseg", "k", "bias",
+    __slots__ = ("ext", "threads", "head", "tail", "batch", "nb", "m", "n", "nseg", "k", "bias", "r",
                  "enc_bytes", "encode", "ws", "warm", "sf", "mu_scale")
 
     @classmethod
@@ -198,7 +198,8 @@ class Call:
         a, b, c = req.a, req.b, req.c  # type: ignore[attr-defined]
         self.ext, self.threads = ext, threads
         ws = req.weight  # type: ignore[attr-defined]
-        r = checksum32(req.checksum_weight)  # type: ignore[attr-defined]
+        # kept on self: head holds its address, and a converted copy has no other owner
+        self.r = r = checksum32(req.checksum_weight)  # type: ignore[attr-defined]
         m, n, k = c.shape[-2], c.shape[-1], a.shape[-1]
         self.m, self.n, self.k, self.nseg = m, n, k, -(-n // SEGMENT)
         self.enc_bytes, self.encode = 0, None

@@ -499,3 +499,22 @@ def test_cpu_backend_summary_locates_corruption() -> None:
     sdc, summary = CPU.summarize(request(a, w.t(), c))
     assert sdc.nonzero().tolist() == [[17, 1]]
     assert summary[0] == 1 and summary[1] > 1
+
+
+@needs_native
+def test_converted_checksum_weight_outlives_the_call() -> None:
+    """A checksum weight that must be converted (float64, strided) gives the same results
+    as its fp32 copy: the converted copy stays alive until the kernel has read it (the
+    outputs allocated after it must not land on its memory)."""
+    a, w = randn(64, 96, seed=61), randn(300, 96, seed=62)
+    c = a @ w.t()
+    r64 = (torch.rand(600, dtype=torch.float64, generator=torch.Generator().manual_seed(63)) + 0.5)[::2]
+    r32 = r64.float().contiguous()
+    for weight in (None, native.native_weight_side(w.t(), r32)):
+        want = native.native_check(request(a, w.t(), c, checksum_weight=r32, weight=weight))
+        for _ in range(3):
+            got = native.native_check(request(a, w.t(), c, checksum_weight=r64, weight=weight))
+            assert torch.equal(got.diff, want.diff) and torch.equal(got.threshold, want.threshold)
+        scratch = native.Scratch()
+        assert native.native_clear(request(a, w.t(), c, checksum_weight=r64, weight=weight), scratch) \
+            == want.worst_ratio
