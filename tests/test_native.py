@@ -518,3 +518,31 @@ def test_converted_checksum_weight_outlives_the_call() -> None:
         scratch = native.Scratch()
         assert native.native_clear(request(a, w.t(), c, checksum_weight=r64, weight=weight), scratch) \
             == want.worst_ratio
+
+
+@needs_native
+def test_clear_checks_from_two_threads_keep_their_own_scratch() -> None:
+    """The kernels run with the GIL released: two threads verifying at once through one
+    ``Scratch`` (as the cpu backend's) each get their own memory and their own results."""
+    import threading
+
+    scratch = native.Scratch()
+    cases = []
+    for i, (m, k, n) in enumerate(((200, 300, 700), (37, 512, 300))):
+        a, w = randn(m, k, seed=70 + i), randn(n, k, seed=80 + i)
+        req = request(a, w.t(), a @ w.t())
+        cases.append((req, native.native_check(req).worst_ratio))
+    results: list[list[float | None]] = [[], []]
+
+    def verify(i: int) -> None:
+        req = cases[i][0]
+        for _ in range(40):
+            results[i].append(native.native_clear(req, scratch))
+
+    threads = [threading.Thread(target=verify, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (_, want), got in zip(cases, results):
+        assert got == [want] * 40
