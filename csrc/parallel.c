@@ -45,23 +45,26 @@ static int is_openmp_runtime(const char *path) {
     return !strncmp(base, "libgomp", 7) || !strncmp(base, "libomp", 6) || !strncmp(base, "libiomp", 7);
 }
 
-static int find_runtime(struct dl_phdr_info *info, size_t size, void *found) {
+/* the path of the first loaded OpenMP runtime, into omp.name (dlopen is called after the
+ * walk, outside the loader lock dl_iterate_phdr holds) */
+static int find_runtime(struct dl_phdr_info *info, size_t size, void *unused) {
     (void)size;
+    (void)unused;
     const char *path = info->dlpi_name;
-    if (!path || !*path || !is_openmp_runtime(path)) return 0;
-    void *h = dlopen(path, RTLD_LAZY | RTLD_NOLOAD); /* a handle on the loaded copy, never a new one */
-    if (!h) return 0;
-    *(void **)found = h;
-    strncpy(omp.name, path, sizeof omp.name - 1);
+    if (!path || !*path || !is_openmp_runtime(path) || strlen(path) >= sizeof omp.name) return 0;
+    strcpy(omp.name, path);
     return 1;
 }
 
 static void probe_runtime(void) {
     const char *use = getenv("SDC_GUARD_NATIVE_OPENMP"); /* "0": never borrow the pool */
     if (use && !strcmp(use, "0")) return;
-    void *h = NULL;
-    dl_iterate_phdr(find_runtime, &h);
-    if (!h) return;
+    if (!dl_iterate_phdr(find_runtime, NULL)) return;
+    void *h = dlopen(omp.name, RTLD_LAZY | RTLD_NOLOAD); /* a handle on the loaded copy, never a new one */
+    if (!h) {
+        omp.name[0] = 0;
+        return;
+    }
     gomp_parallel_t par = (gomp_parallel_t)dlsym(h, "GOMP_parallel");
     int (*num)(void) = (int (*)(void))dlsym(h, "omp_get_thread_num");
     int (*team)(void) = (int (*)(void))dlsym(h, "omp_get_num_threads");
