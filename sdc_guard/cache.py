@@ -1,4 +1,4 @@
-"""Cache of V-ABFT weight-side encodings, one per (parameter, orientation, version).
+"""Cache of V-ABFT weight-side encodings, one per parameter view (orientation), for its latest version.
 
 The weight side (``Br``, ``P1``, ``P2``, ``V``; VABFT.md "Cost, and what can be cached")
 is O(KN) per call without a cache: the whole weight read again for every GEMM, which is
@@ -39,11 +39,10 @@ Encoder = Callable[[Tensor], WeightSide]
 
 
 def cache_key(b: Tensor) -> CacheKey:
-    """Identity of a weight view: storage, offset, shape, strides, dtype, device, version."""
-    return (
-        b.untyped_storage().data_ptr(), b.storage_offset(), tuple(b.shape), b.stride(),
-        b.dtype, b.device, b._version,
-    )
+    """Identity of a weight view: storage, offset, shape, strides, dtype, device. The
+    version counter is not part of it: an entry holds the version it encoded, and a lookup
+    of a newer version replaces it (an older version can never hit again)."""
+    return (b.untyped_storage().data_ptr(), b.storage_offset(), tuple(b.shape), b.stride(), b.dtype, b.device)
 
 
 @dataclass
@@ -70,7 +69,8 @@ class WeightCache:
             raise ValueError(f"max_bytes: expected a non-negative int, got {max_bytes!r}")
         self.max_bytes = max_bytes
         self.stats = CacheStats()
-        self._entries: OrderedDict[CacheKey, tuple[Tensor, WeightSide, Encoder]] = OrderedDict()
+        #: view -> (version encoded, the view, its encoding, the encoder that made it)
+        self._entries: OrderedDict[CacheKey, tuple[int, Tensor, WeightSide, Encoder]] = OrderedDict()
         self._bytes = 0
         self._storages: set[int] = set()
 
@@ -108,28 +108,24 @@ class WeightCache:
         key = cache_key(b)
         entry = self._entries.get(key)
         if entry is not None:
-            self._entries.move_to_end(key)
-            self.stats.hits += 1
-            return entry[1]
+            if entry[0] == b._version:
+                self._entries.move_to_end(key)
+                self.stats.hits += 1
+                return entry[2]
+            self._drop(key)  # an older version: it can never hit again
         self.stats.misses += 1
-        self._drop_stale(key)
+        version = b._version
         # b itself is kept (a detached alias may not share its version counter); the
         # encoding reads a no-grad alias, since b's base may since have been updated in place
         with torch.no_grad():
             encoded = encode(b.detach())
-        self._entries[key] = (b, encoded, encode)
+        self._entries[key] = (version, b, encoded, encode)
         self._bytes += encoded.nbytes
         self._evict()
         return encoded
 
-    def _drop_stale(self, key: CacheKey) -> None:
-        """Drop older versions of the same view: they can never hit again."""
-        same_view = key[:-1]
-        for old in [k for k in self._entries if k[:-1] == same_view]:
-            self._drop(old)
-
     def _drop(self, key: CacheKey) -> None:
-        _, encoded, _ = self._entries.pop(key)
+        encoded = self._entries.pop(key)[2]
         self._bytes -= encoded.nbytes
 
     def _evict(self) -> None:
@@ -144,8 +140,8 @@ class WeightCache:
         have missed and encoded anyway). Returns the number of views re-encoded.
         """
         refreshed = 0
-        for key, (view, _, encode) in list(self._entries.items()):
-            if view._version != key[-1] and self.is_cacheable(view):
+        for version, view, _, encode in list(self._entries.values()):
+            if view._version != version and self.is_cacheable(view):
                 self.get(view, encode=encode)
                 refreshed += 1
         return refreshed

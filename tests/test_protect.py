@@ -248,10 +248,12 @@ def test_weight_cache_hits_until_the_optimizer_updates_the_weight() -> None:
         model(x).sum().backward()
         guard.step()
         assert guard.cache.stats.misses == misses and guard.cache.stats.hits == 3
+        held = guard.cache.nbytes
         opt.step()
         model(x).sum().backward()
         guard.step()
         assert guard.cache.stats.misses == 2 * misses
+        assert len(guard.cache) == 3 and guard.cache.nbytes == held  # new versions replaced the old
     w = model.fc1.weight
     a = torch.randn(5, 16)
     c = a @ w.t()
