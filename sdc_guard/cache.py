@@ -69,8 +69,8 @@ class WeightCache:
             raise ValueError(f"max_bytes: expected a non-negative int, got {max_bytes!r}")
         self.max_bytes = max_bytes
         self.stats = CacheStats()
-        #: view -> (version encoded, the view, its encoding, the encoder that made it)
-        self._entries: OrderedDict[CacheKey, tuple[int, Tensor, WeightSide, Encoder]] = OrderedDict()
+        #: view -> (version encoded, the view, its encoding, the encoder that made it, its bytes)
+        self._entries: OrderedDict[CacheKey, tuple[int, Tensor, WeightSide, Encoder, int]] = OrderedDict()
         self._bytes = 0
         self._storages: set[int] = set()
 
@@ -119,14 +119,14 @@ class WeightCache:
         # encoding reads a no-grad alias, since b's base may since have been updated in place
         with torch.no_grad():
             encoded = encode(b.detach())
-        self._entries[key] = (version, b, encoded, encode)
-        self._bytes += encoded.nbytes
+        nbytes = encoded.nbytes
+        self._entries[key] = (version, b, encoded, encode, nbytes)
+        self._bytes += nbytes
         self._evict()
         return encoded
 
     def _drop(self, key: CacheKey) -> None:
-        encoded = self._entries.pop(key)[2]
-        self._bytes -= encoded.nbytes
+        self._bytes -= self._entries.pop(key)[4]
 
     def _evict(self) -> None:
         while self._bytes > self.max_bytes and self._entries:
@@ -140,7 +140,7 @@ class WeightCache:
         have missed and encoded anyway). Returns the number of views re-encoded.
         """
         refreshed = 0
-        for version, view, _, encode in list(self._entries.values()):
+        for version, view, _, encode, _ in list(self._entries.values()):
             if view._version != version and self.is_cacheable(view):
                 self.get(view, encode=encode)
                 refreshed += 1
