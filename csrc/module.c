@@ -170,8 +170,6 @@ PyMODINIT_FUNC PyInit__vabft_cpu(void) {
     PyObject *mod = PyModule_Create(&module);
     if (mod) {
         PyModule_AddIntConstant(mod, "SEGMENT", SEG);
-        PyModule_AddIntConstant(mod, "PAR_MIN", PAR_MIN);
-        PyModule_AddIntConstant(mod, "OMP_MIN", OMP_MIN);
     }
     return mod;
 }

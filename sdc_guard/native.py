@@ -84,8 +84,8 @@ def native_weight_side(b: Tensor, checksum_weight: Tensor | None = None, threads
                        force_threads: bool = False) -> WeightSide:
     """``abft.weight_side`` in one native call: one read of ``b`` (``[..., K, N]``, any
     strides), split over ``threads`` (default ``torch.get_num_threads()``) threads when
-    large (``OMP_MIN`` / ``PAR_MIN`` elements, see ``native_check``), or always when
-    ``force_threads`` (tests).
+    large (``OMP_MIN`` / ``PAR_MIN`` elements of ``csrc/vabft_cpu.h``, see
+    ``native_check``), or always when ``force_threads`` (tests).
 
     Returns a ``WeightSide`` with ``br`` segment-major (as ``abft`` stores it) and its
     threshold factors precomputed; inputs the kernels do not cover are encoded by
