@@ -3,7 +3,8 @@
 A small GPT (``sdc_guard.toy_gpt``, sized for a CPU by the options) trains on random
 tokens in five identical copies: unprotected (the baseline), and under ``protect()`` with
 a sampler that verifies nothing (the fixed cost of intercepting), ``Full()``,
-``Budget(max_overhead)`` and ``EveryN(n)``. The copies take their steps in
+``Budget(max_overhead, window=W)`` (the budget, with every site verified at least once in
+every ``W`` steps: the coverage window below) and ``EveryN(n)``. The copies take their steps in
 turn, round after round (the order rotated each round), so that a slow spell of the
 machine falls on all of them; each protected copy keeps one ``Guard`` (and so its
 weight-side cache and its sampler's schedule) across its steps.
@@ -52,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=float, default=0.05, help="Budget's max_overhead (default 0.05)")
     parser.add_argument("--every-n", type=int, default=TARGET_WINDOW, help=f"EveryN's n (default {TARGET_WINDOW})")
     parser.add_argument("--window", type=int, default=TARGET_WINDOW,
-                        help=f"coverage window in steps (default {TARGET_WINDOW})")
+                        help=f"coverage window in steps, promised by Budget's window= (default {TARGET_WINDOW})")
     model = parser.add_argument_group("model (a GPT with explicit attention matmuls)")
     model.add_argument("--d-model", type=int, default=256)
     model.add_argument("--layers", type=int, default=4)
@@ -150,7 +151,8 @@ def run(args: argparse.Namespace) -> Outcome:
     base = _model(args, device)
     samplers: dict[str, Sampler | None] = {
         "baseline": None, "intercept only": Never(), "Full()": Full(),
-        f"Budget({args.budget:g})": Budget(args.budget), f"EveryN({args.every_n})": EveryN(args.every_n),
+        f"Budget({args.budget:g}, window={args.window})": Budget(args.budget, window=args.window),
+        f"EveryN({args.every_n})": EveryN(args.every_n),
     }
     names = list(samplers)
     models = {name: copy.deepcopy(base) for name in names}

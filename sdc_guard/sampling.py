@@ -14,9 +14,10 @@ model (5-10 % of a CPU step for a mode that does nothing). Each sampler's promis
 - ``EveryN(n)``: every GEMM of every n-th step (steps 0, n, 2n, ...); the steps in between
   are not watched.
 - ``Rotating(k)``: every site at least once in every window of ``k`` consecutive steps.
-- ``Budget(max_overhead)``: everything the guard adds (interception and verification) at or
-  under ``max_overhead`` of the unguarded step time, spent in sweeps that verify every
-  site; the first steps verify everything, to measure each site's cost.
+- ``Budget(max_overhead, window=None)``: everything the guard adds (interception and
+  verification) at or under ``max_overhead`` of the unguarded step time, spent in sweeps
+  that verify every site; the first steps verify everything, to measure each site's
+  cost. With ``window``, also every site at least once in every ``window`` steps.
 """
 
 from __future__ import annotations
@@ -216,13 +217,21 @@ class Budget:
     therefore moves the whole plan for a few steps instead of pricing one site out of the
     schedule. A site first met after warm-up is verified at once and charged.
 
-    >>> b = Budget(0.05); b.begin_step(0); b.watches_step(), b.should_verify(("a", "forward", "mm"))
+    ``window`` (optional) turns the coverage into a promise: a sweep is also taken
+    whenever a known site would otherwise go ``window`` consecutive steps unverified, so
+    every site is verified at least once in every ``window`` steps, credit or not. The
+    budget is then a soft cap: where a sweep costs more than ``window * max_overhead`` of
+    a step (a slow backend, a tiny model), the overhead is a sweep every ``window`` steps.
+
+    >>> b = Budget(0.05, window=20); b.begin_step(0); b.watches_step(), b.should_verify(("a", "forward", "mm"))
     (True, True)
     """
 
-    def __init__(self, max_overhead: float, *, smoothing: float = 0.3, warmup: int = 2) -> None:
+    def __init__(self, max_overhead: float, *, window: int | None = None, smoothing: float = 0.3,
+                 warmup: int = 2) -> None:
         if isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float)) or not 0 < max_overhead:
             raise ValueError(f"max_overhead: expected a positive fraction (0.05 = 5 %), got {max_overhead!r}")
+        self.window = None if window is None else _check_positive_int("window", window)
         if not 0 < smoothing <= 1:
             raise ValueError(f"smoothing: expected a value in (0, 1], got {smoothing!r}")
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
@@ -264,7 +273,11 @@ class Budget:
         assert self._base_seconds is not None
         earned = self.max_overhead * self._base_seconds
         self._credit = min(self._credit + earned, max(self._sweep_cost, earned))
-        self._sweep = self._credit >= self._sweep_cost
+        self._sweep = self._credit >= self._sweep_cost or self._window_due(step)
+
+    def _window_due(self, step: int) -> bool:
+        """Whether some known site was last verified ``window`` steps ago (or longer)."""
+        return self.window is not None and bool(self._last) and step - min(self._last.values()) >= self.window
 
     def watches_step(self) -> bool:
         return self._sweep
@@ -349,4 +362,5 @@ class Budget:
         self._completed = int(state["completed"])
 
     def __repr__(self) -> str:
-        return f"Budget({self.max_overhead})"
+        return f"Budget({self.max_overhead:g})" if self.window is None else \
+            f"Budget({self.max_overhead:g}, window={self.window})"

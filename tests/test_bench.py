@@ -131,14 +131,15 @@ def test_train(tmp_path: Path) -> None:
                    "--heads", "2", "--ctx", "16", "--vocab", "32", "--batch", "2", "--every-n", "2",
                    "--budget", "0.05", "--window", "3")
     results = {r["config"]: r for r in report["results"]}
-    assert list(results) == ["baseline", "intercept only", "Full()", "Budget(0.05)", "EveryN(2)"]
+    assert list(results) == ["baseline", "intercept only", "Full()", "Budget(0.05, window=3)", "EveryN(2)"]
     assert all(r["step_ms_median"] > 0 for r in results.values())
     full = results["Full()"]
     assert full["gemms_verified_per_step"] == full["gemms_seen_per_step"] > 0
     assert full["max_gap_steps"] == 0 and full["flagged"] == 0
     assert results["intercept only"]["gemms_verified_per_step"] == 0
-    budget = results["Budget(0.05)"]
-    assert 0 <= budget["budget_coverage"] <= 1 and budget["sites"] == full["sites"] > 0
+    budget = results["Budget(0.05, window=3)"]
+    assert budget["max_gap_steps"] < 3 and budget["sites"] == full["sites"] > 0  # the window's promise
+    assert budget["budget_coverage"] == 1.0
     assert results["EveryN(2)"]["max_gap_steps"] == 1  # verified on every second step
     assert set(report["targets"]) == {"full_le_20pct", "budget_le_7pct", "budget_every_site_within_20"}
 

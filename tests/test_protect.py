@@ -364,11 +364,12 @@ def test_budget_sampler_meets_its_budget_on_a_real_training_loop() -> None:
     """Measured, not mocked: the guard's own timing of a real loop (a ratio, not a time).
 
     Budget verifies in sweeps, one every (full overhead + interception) / budget steps; on
-    this small model interception alone is a large share of a step, so the budget is 10 %
-    to keep the sweeps well inside the 20-step coverage window in 45 steps."""
+    this small model interception alone is a large share of a step, so the budget is 10 %.
+    ``window=20`` promises the coverage whatever the machine's speed (a slow or busy
+    machine stretches the budget's own sweeps past 20 steps)."""
     torch.manual_seed(0)
     model = TinyGPT(vocab=256, d=256, heads=4, layers=2, ctx=64)
-    sampler = Budget(0.1)
+    sampler = Budget(0.1, window=20)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     reports = []
     with sdc_guard.protect(model, sampler=sampler) as guard:
@@ -509,3 +510,36 @@ def test_budget_charges_interception_and_recovers_from_a_slow_warm_up() -> None:
     assert 8 <= sum(watched) <= 12, watched
     assert abs(sampler.achieved_overhead - 0.1) < 0.02
     assert sampler.coverage(window=8) == 1.0
+
+
+def test_budget_window_forces_a_sweep_when_a_site_would_go_stale() -> None:
+    """``window`` makes coverage a promise: a sweep that costs 70 % of a step takes 14
+    steps of a 5 % budget to earn; with ``window=5`` a sweep comes every 5 steps anyway
+    (over budget, said by ``achieved_overhead``), and without it the gaps are the budget's."""
+    from sdc_guard.sampling import StepCosts
+
+    sites = [("fc1", "forward", "mm"), ("fc2", "backward", "mm")]
+    base, verify = 0.100, 0.070
+
+    def run(sampler: Budget) -> list[int]:
+        watched = []
+        for step in range(60):
+            sampler.begin_step(step)
+            if sampler.watches_step():
+                watched.append(step)
+                spent = {s: verify / 2 for s in sites}
+                sampler.end_step(StepCosts(step, base + verify, verify, spent, {s: 1 for s in sites}))
+            else:
+                sampler.end_step(StepCosts(step, base, 0.0))
+        return watched
+
+    free = run(Budget(0.05, warmup=1))
+    assert max(b - a for a, b in zip(free, free[1:])) >= 13  # what the budget alone allows
+    bound = Budget(0.05, window=5, warmup=1)
+    watched = run(bound)
+    assert max(b - a for a, b in zip(watched, watched[1:])) == 5
+    assert 59 - watched[-1] < 5 and bound.coverage(window=5) == 1.0
+    assert bound.achieved_overhead > 0.1  # 0.07 every 5 steps of 0.1: the window wins
+    assert repr(bound) == "Budget(0.05, window=5)" and repr(Budget(0.05)) == "Budget(0.05)"
+    with pytest.raises(ValueError, match="window: expected a positive int, got 0"):
+        Budget(0.05, window=0)
