@@ -35,7 +35,8 @@ from torch import Tensor
 
 from .abft import AbftCheck, WeightSide, _bias_sums, explain_failures, weight_side
 from .native_call import (
-    DTYPE_CODE, Call, checksum32, encode_at, encoding_bytes, layout, weight_reason, weight_side_of, ws_batch,
+    DTYPE_CODE, BufferWeightSide, Call, checksum32, encode_at, encoding_bytes, layout, weight_reason, weight_side_of,
+    ws_batch,
 )
 from .precision import SEGMENT
 
@@ -87,9 +88,10 @@ def native_weight_side(b: Tensor, checksum_weight: Tensor | None = None, threads
     large (``OMP_MIN`` / ``PAR_MIN`` elements of ``csrc/vabft_cpu.h``, see
     ``native_check``), or always when ``force_threads`` (tests).
 
-    Returns a ``WeightSide`` with ``br`` segment-major (as ``abft`` stores it) and its
-    threshold factors precomputed; inputs the kernels do not cover are encoded by
-    ``abft.weight_side``. Never writes to ``b``.
+    Returns a ``native_call.BufferWeightSide`` (``br`` segment-major, as ``abft`` stores
+    it, and its threshold factors precomputed, as views of one buffer made on first
+    use); inputs the kernels do not cover are encoded by ``abft.weight_side``. Never
+    writes to ``b``.
     """
     ext = _load()
     if ext is None or weight_reason(b, checksum_weight) is not None:
@@ -97,7 +99,7 @@ def native_weight_side(b: Tensor, checksum_weight: Tensor | None = None, threads
     enc = _encode(ext, b, checksum32(checksum_weight), _threads(threads, force_threads))
     if enc is None:
         return weight_side(b, checksum_weight)
-    return weight_side_of(b, *enc)
+    return BufferWeightSide(b, *enc)
 
 
 def _encode(ext: types.ModuleType, b: Tensor, r: Tensor | None, threads: int) -> tuple[Tensor, float] | None:
@@ -174,7 +176,7 @@ def native_check(req: object, threads: int | None = None, force_threads: bool = 
     if call.bias is not None:
         bias_sum, bias_abs = _bias_sums(call.bias, call.n, call.r, req.beta)  # type: ignore[attr-defined]
     mu, hi, lo = (t.unsqueeze(-1) for t in rows)
-    ws = call.ws if enc is None else weight_side_of(req.b, enc, call.mu_scale)  # type: ignore[attr-defined]
+    ws = call.ws if enc is None else weight_side_of(tuple(req.b.shape), enc, call.mu_scale)  # type: ignore[attr-defined]
     return explain_failures(ok, diff, threshold, call.k, mu, hi, lo, ws,
                             req.alpha, req.c.dtype, bias_sum, bias_abs)  # type: ignore[attr-defined]
 

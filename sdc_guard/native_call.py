@@ -13,6 +13,7 @@ extension they are given.
 from __future__ import annotations
 
 import types
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -23,8 +24,8 @@ from .precision import SEGMENT, TINY, bias_rounding
 from .segments import _segment_constants
 
 __all__ = [
-    "C_CONSTANTS", "Call", "DTYPE_CODE", "Prepared", "bias_args", "checksum32", "encode_at", "encoding_bytes",
-    "layout", "prepared", "weight_reason", "weight_side_of", "ws_batch",
+    "BufferWeightSide", "C_CONSTANTS", "Call", "DTYPE_CODE", "Prepared", "bias_args", "buffer_geometry",
+    "checksum32", "encode_at", "encoding_bytes", "layout", "prepared", "weight_reason", "weight_side_of", "ws_batch",
 ]
 
 #: dtype -> the kernel's dtype code
@@ -86,12 +87,13 @@ def encode_at(ext: types.ModuleType, b: Tensor, r: Tensor | None, threads: int, 
     )
 
 
-def weight_side_of(b: Tensor, buf: Tensor, mu_scale: float) -> WeightSide:
-    """The ``WeightSide`` of an encoding buffer (``native._encode``): ``br`` segment-major
-    (as ``abft`` stores it) and its threshold factors precomputed."""
-    k, n = b.shape[-2], b.shape[-1]
+def weight_side_of(shape: tuple[int, ...], buf: Tensor, mu_scale: float) -> WeightSide:
+    """The ``WeightSide`` of an encoding buffer (``native._encode``) of a ``b`` of
+    ``shape``: ``br`` segment-major (as ``abft`` stores it) and its threshold factors
+    precomputed."""
+    k, n = shape[-2], shape[-1]
     nseg = -(-n // SEGMENT)
-    bshape = tuple(b.shape[:-2])
+    bshape = tuple(shape[:-2])
     big = nseg * k
     for size in bshape:
         big *= size
@@ -104,7 +106,7 @@ def weight_side_of(b: Tensor, buf: Tensor, mu_scale: float) -> WeightSide:
     agg = floats[3 * big:].view(8, *bshape, nseg)
     p1, p2, v, col_norm = agg[:4].unbind(0)
     bad = buf[4 * nfloat:].view(torch.bool).view(*bshape, nseg)
-    widths = _segment_constants(n, b.device)[0]
+    widths = _segment_constants(n, buf.device)[0]
     ws = WeightSide(br.mT, p1, p2, v, col_norm, bad, widths, k, n)
     # the factors of the threshold's bracket, computed by the kernel exactly as
     # WeightSide._factors computes them (a cached_property: its slot is the instance dict)
@@ -112,34 +114,102 @@ def weight_side_of(b: Tensor, buf: Tensor, mu_scale: float) -> WeightSide:
     return ws
 
 
+def buffer_geometry(bshape: tuple[int, ...], k: int, n: int) -> tuple[tuple[int, ...], ...]:
+    """Shapes and strides of ``Br`` ([..., K, nseg], segment-major) and of a factor
+    ([..., 1, nseg]) in an encoding buffer (``native._encode``)."""
+    nseg = -(-n // SEGMENT)
+    *outer, seg_stride, k_stride = contiguous_strides((*bshape, nseg, k))
+    f_shape = (*bshape, 1, nseg)
+    return (*bshape, k, nseg), (*outer, k_stride, seg_stride), f_shape, tuple(contiguous_strides(f_shape))
+
+
 class Prepared:
-    """What the check needs of a ``WeightSide``, taken once per encoding (its tensors stay
-    alive with it): pointers, shapes and strides of ``Br`` and of the four factors."""
+    """What the check needs of a ``WeightSide``, taken once per encoding (``keep`` holds
+    the memory the pointers point into): pointers, shapes and strides of ``Br`` and of
+    the four factors."""
 
-    __slots__ = ("br", "br_ptr", "br_shape", "br_strides", "sbrs", "factors", "f_ptrs", "f_shape",
-                 "f_strides", "mu_scale", "flat")
+    __slots__ = ("keep", "br_ptr", "br_shape", "br_strides", "sbrs", "f_ptrs", "f_shape", "f_strides",
+                 "mu_scale", "flat")
 
-    def __init__(self, ws: WeightSide) -> None:
+    @classmethod
+    def of(cls, ws: WeightSide) -> "Prepared":
+        """From any backend's encoding: ``Br`` made segment-major and the factors
+        broadcast to one shape, where they are not already."""
         br = ws.br
         if br.shape[-2] > 1 and br.stride(-2) != 1:
             br = br.mT.contiguous().mT  # segment-major, as the kernel reads it
         f_mean, f_cross_mu, f_cross_sd, f_spread, mu_scale = ws._factors
         factors = [f.contiguous() for f in torch.broadcast_tensors(f_mean, f_cross_mu, f_cross_sd, f_spread)]
-        self.br, self.factors = br, factors
-        self.br_ptr = br.data_ptr()
-        self.br_shape, self.br_strides = tuple(br.shape), tuple(br.stride())
-        self.sbrs = br.stride(-1)
-        self.f_ptrs = tuple(f.data_ptr() for f in factors)
-        self.f_shape, self.f_strides = tuple(factors[0].shape), tuple(factors[0].stride())
-        self.mu_scale = float(mu_scale)
-        self.flat = br.dim() == 2 and factors[0].dim() == 2  #: no batch dims
+        return cls._make((br, factors), br.data_ptr(), tuple(br.shape), tuple(br.stride()),
+                         tuple(f.data_ptr() for f in factors), tuple(factors[0].shape), tuple(factors[0].stride()),
+                         float(mu_scale))
+
+    @classmethod
+    def of_buffer(cls, buf: Tensor, bshape: tuple[int, ...], k: int, n: int, mu_scale: float) -> "Prepared":
+        """From a native encoding buffer: its addresses, no tensor made."""
+        br_shape, br_strides, f_shape, f_strides = buffer_geometry(bshape, k, n)
+        big = k * -(-n // SEGMENT)
+        for size in bshape:
+            big *= size
+        small, p = big // k, buf.data_ptr()
+        f_ptrs = tuple(p + 4 * (3 * big + j * small) for j in range(4, 8))
+        return cls._make(buf, p, br_shape, br_strides, f_ptrs, f_shape, f_strides, float(mu_scale))
+
+    @classmethod
+    def _make(cls, keep: object, br_ptr: int, br_shape: tuple[int, ...], br_strides: tuple[int, ...],
+              f_ptrs: tuple[int, ...], f_shape: tuple[int, ...], f_strides: tuple[int, ...],
+              mu_scale: float) -> "Prepared":
+        prep = cls()
+        prep.keep, prep.br_ptr, prep.br_shape, prep.br_strides = keep, br_ptr, br_shape, br_strides
+        prep.sbrs = br_strides[-1]
+        prep.f_ptrs, prep.f_shape, prep.f_strides, prep.mu_scale = f_ptrs, f_shape, f_strides, mu_scale
+        prep.flat = len(br_shape) == 2 and len(f_shape) == 2  #: no batch dims
+        return prep
 
 
 def prepared(ws: WeightSide) -> Prepared:
     prep = ws.__dict__.get("_native")
     if prep is None:
-        prep = ws.__dict__["_native"] = Prepared(ws)
+        prep = ws.__dict__["_native"] = Prepared.of(ws)
     return prep
+
+
+def _field(name: str) -> property:
+    return property(lambda self: getattr(self._views, name), doc=f"``WeightSide.{name}``, a view of the buffer")
+
+
+class BufferWeightSide(WeightSide):
+    """A native encoding buffer as a ``WeightSide`` whose tensors are made on first use.
+
+    Why: the native check reads only the buffer's addresses (``Prepared.of_buffer``);
+    taking a buffer apart into the dozen views of a ``WeightSide`` costs about 30 us
+    (more right after a large product, with the caches cold), once per weight and
+    orientation every training step. The torch and Triton backends, and the explanation
+    of a failed check, read the fields, which then become the views ``weight_side_of``
+    makes, once. ``nbytes`` is the buffer's size (all of it stays alive).
+    """
+
+    def __init__(self, b: Tensor, buf: Tensor, mu_scale: float) -> None:
+        shape, k, n = tuple(b.shape), b.shape[-2], b.shape[-1]
+        object.__setattr__(self, "k", k)
+        object.__setattr__(self, "n", n)
+        self.__dict__.update(_buf=buf, _shape=shape, _mu_scale=mu_scale,
+                             _native=Prepared.of_buffer(buf, shape[:-2], k, n, mu_scale))
+
+    @cached_property
+    def _views(self) -> WeightSide:
+        return weight_side_of(self._shape, self._buf, self._mu_scale)
+
+    br, p1, p2, v, col_norm, bad, widths = (_field(name) for name in ("br", "p1", "p2", "v", "col_norm", "bad",
+                                                                      "widths"))
+
+    @cached_property
+    def _factors(self) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
+        return self._views._factors
+
+    @property
+    def nbytes(self) -> int:
+        return self._buf.numel()
 
 
 def layout(req: object, ws: WeightSide | None) -> tuple[list[int], list[list[int]]] | None:
@@ -151,12 +221,7 @@ def layout(req: object, ws: WeightSide | None) -> tuple[list[int], list[list[int
         br_shape, br_strides, f_shape, f_strides = prep.br_shape, prep.br_strides, prep.f_shape, prep.f_strides
     else:  # what native_weight_side produces for b
         b = req.b  # type: ignore[attr-defined]
-        bb = tuple(b.shape[:-2])
-        nseg = -(-b.shape[-1] // SEGMENT)
-        br_shape, f_shape = (*bb, b.shape[-2], nseg), (*bb, 1, nseg)
-        *outer, seg_stride, k_stride = contiguous_strides((*bb, nseg, b.shape[-2]))
-        br_strides = (*outer, k_stride, seg_stride)
-        f_strides = contiguous_strides(f_shape)
+        br_shape, br_strides, f_shape, f_strides = buffer_geometry(tuple(b.shape[:-2]), b.shape[-2], b.shape[-1])
     per = [
         batch_strides(a.shape, a.stride(), batch, 2),
         batch_strides(c.shape, c.stride(), batch, 2),

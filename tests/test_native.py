@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from sdc_guard import backends, native, verify
-from sdc_guard.abft import AbftCheck, weight_side
+from sdc_guard.abft import AbftCheck, WeightSide, weight_side
 from sdc_guard.backends import CpuBackend, GemmRequest, TorchBackend
 from sdc_guard.cache import WeightCache
+from sdc_guard.native_call import BufferWeightSide, weight_side_of
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gemm_cases import randn, request  # noqa: E402
@@ -176,6 +177,30 @@ def test_weight_side_matches(dtype: torch.dtype, b_layout: str) -> None:
     for g, w in zip(got._factors[:4], want._factors[:4]):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=0)
     assert got._factors[4] == want._factors[4]
+
+
+@needs_native
+def test_buffer_weight_side_reads_like_the_views_it_stands_for() -> None:
+    """The native encoding is a ``WeightSide`` whose tensors are made on first use: a
+    warm check reads only its addresses, and every field, when read, is the buffer's view."""
+    b = randn(3, 70, 600, seed=22)  # batched, as a bmm's operand
+    ws = native.native_weight_side(b)
+    assert isinstance(ws, BufferWeightSide) and isinstance(ws, WeightSide)
+    a = randn(3, 5, 70, seed=23)
+    s = native.Scratch()
+    assert native.native_clear(request(a, b, a @ b, weight=ws), s) is not None
+    assert "_views" not in ws.__dict__  # the check read addresses only
+    views = weight_side_of(tuple(b.shape), ws._buf, ws._mu_scale)
+    assert ws.nbytes == ws._buf.numel() >= views.nbytes
+    assert (ws.k, ws.n) == (70, 600) and ws.br.data_ptr() == ws._buf.data_ptr()
+    for field in ("br", "p1", "p2", "v", "col_norm", "bad", "widths"):
+        got, want = getattr(ws, field), getattr(views, field)
+        assert got.shape == want.shape and got.stride() == want.stride() and torch.equal(got, want), field
+    assert all(torch.equal(g, w) for g, w in zip(ws._factors[:4], views._factors[:4]))
+    assert ws._factors[4] == views._factors[4]
+    check = native.native_check(request(a, b, a @ b, weight=ws))  # a fresh Prepared.of(views) agrees
+    again = native.native_check(request(a, b, a @ b, weight=views))
+    assert torch.equal(check.diff, again.diff) and torch.equal(check.threshold, again.threshold)
 
 
 # --- zero false positives, detection --------------------------------------------------
@@ -403,7 +428,7 @@ def test_cache_uses_and_refreshes_with_encoder() -> None:
         return CPU.encode(b)
 
     ws = cache.get(w.t(), encode=encode)
-    assert ws is not None and len(calls) == 1 and "_native" not in ws.__dict__
+    assert ws is not None and len(calls) == 1 and "_views" not in ws.__dict__  # no tensor made yet
     assert cache.get(w.t(), encode=encode) is ws and len(calls) == 1
     with torch.no_grad():
         w.mul_(2.0)
