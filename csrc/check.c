@@ -14,105 +14,130 @@
 
 #include "check.h"
 
-/* ---- lane-wise helpers of the threshold ---------------------------------------------- */
+/* ---- lane-wise helpers of the threshold, on parts (lanes.h) ------------------------------ */
 
-static inline v16 vsqrt(v16 x) {
+static inline vpart psqrt(vpart x) { /* IEEE sqrt, lane-wise */
 #ifdef __AVX512F__
-    return (v16)_mm512_sqrt_ps((__m512)x);
+    return (vpart)_mm512_sqrt_ps((__m512)x);
+#elif defined(VABFT_AVX2)
+    return (vpart)_mm256_sqrt_ps((__m256)x);
 #else
-    for (int j = 0; j < 16; j++) x[j] = sqrtf(x[j]);
+    for (int j = 0; j < PW; j++) x[j] = sqrtf(x[j]);
     return x;
 #endif
 }
-typedef uint8_t v16b __attribute__((vector_size(16)));
-static inline v16 vsel(v16i m, v16 a, v16 b) { return (v16)((m & (v16i)a) | (~m & (v16i)b)); }
-static inline v16i visnan(v16 x) { return x != x; }
-static inline v16i visinf(v16 x) { return vabs(x) == splat(INFINITY); }
+static inline vpmask pisnan(vpart x) { return x != x; }
+static inline vpmask pisinf(vpart x) { return pabs(x) == psplat(INFINITY); }
+
+/* flags[j] = 1 where lane j of m is set, else 0 (PW bytes) */
+static inline void pst_flags(uint8_t *flags, vpmask m) {
+#ifdef VABFT_AVX2
+    __m256i t = (__m256i)m; /* -1 / 0 per lane: saturating packs keep them, negated to 1 / 0 */
+    __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    _mm_storel_epi64((__m128i *)flags, _mm_sub_epi8(_mm_setzero_si128(), _mm_packs_epi16(w, w)));
+#else
+    typedef uint8_t v16b __attribute__((vector_size(16)));
+    v16b b = __builtin_convertvector(-m, v16b);
+    memcpy(flags, &b, 16);
+#endif
+}
 
 /* hypot(x, y) lane-wise, exact to a few ulp and without intermediate overflow:
  * m sqrt(1 + (n / m)^2) with m = max(|x|, |y|), n = min; 0 when both are 0; +inf when
  * either is infinite (even with a NaN, as C's hypot); NaN when either is NaN otherwise. */
-static inline v16 vhypot(v16 x, v16 y) {
-    v16 ax = vabs(x), ay = vabs(y);
-    v16i xgt = ax > ay;
-    v16 m = vsel(xgt, ax, ay), n = vsel(xgt, ay, ax);
-    v16 q = n / m;
-    v16 h = m * vsqrt(splat(1.0f) + q * q);
-    h = vsel(m == splat(0.0f), splat(0.0f), h);
-    h = vsel(visnan(x) | visnan(y), splat(NAN), h);
-    return vsel(visinf(x) | visinf(y), splat(INFINITY), h);
+static inline vpart phypot(vpart x, vpart y) {
+    vpart ax = pabs(x), ay = pabs(y);
+    vpmask xgt = ax > ay;
+    vpart m = psel(xgt, ax, ay), n = psel(xgt, ay, ax);
+    vpart q = n / m;
+    vpart h = m * psqrt(psplat(1.0f) + q * q);
+    h = psel(m == psplat(0.0f), psplat(0.0f), h);
+    h = psel(pisnan(x) | pisnan(y), psplat(NAN), h);
+    return psel(pisinf(x) | pisinf(y), psplat(INFINITY), h);
 }
 
 /* D, T and the verdict of rows [0, rows) of a work item (row0: their flat index), 16
- * rows per vector: every row goes through the same lane-wise operations whichever lane
- * and group it lands in (padding lanes are computed and dropped). Stores mu / hi / lo,
- * diff / thr / ok / zero; *worst = the largest finite-verdict D / T. Returns whether
- * every segment passed with D and T finite. */
+ * rows per vector, a part at a time (parts without rows skipped): every row goes through
+ * the same lane-wise operations whichever lane, part and group it lands in (padding lanes
+ * are computed and dropped). Stores mu / hi / lo, diff / thr / ok / zero; *worst = the
+ * largest finite-verdict D / T. Returns whether every segment passed with D and T
+ * finite. */
 static int chk_rows(const chk_ctx *c, const scratch *w, int64_t rows, int64_t row0, const float *fm,
                     const float *fcm, const float *fcs, const float *fsp, float *worst_out) {
     int64_t nseg = c->nseg;
-    v16i all_ok = splat(0.0f) == splat(0.0f); /* lanes of present rows: every segment good */
-    v16 worst = splat(0.0f);
-    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const v16 kf = splat((float)c->k), alpha = splat(c->alpha), beta = splat(c->beta);
-    const v16 beta_abs = splat(fabsf(c->beta)), bias_round = splat(c->bias_round);
-    const v16 mu_scale = splat(c->mu_scale), scale = splat(c->scale), inf = splat(INFINITY);
+    const vpmask lane = pindex();
+    vpmask all_ok[NPART]; /* lanes of present rows: every segment good */
+    vpart worst[NPART];
+    for (int pt = 0; pt < NPART; pt++) {
+        all_ok[pt] = psplat(0.0f) == psplat(0.0f);
+        worst[pt] = psplat(0.0f);
+    }
+    const vpart kf = psplat((float)c->k), alpha = psplat(c->alpha), beta = psplat(c->beta);
+    const vpart beta_abs = psplat(fabsf(c->beta)), bias_round = psplat(c->bias_round);
+    const vpart mu_scale = psplat(c->mu_scale), scale = psplat(c->scale), inf = psplat(INFINITY);
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
-        int64_t nr = rows - r0 < 16 ? rows - r0 : 16;
-        const v16i present = lane < (int32_t)nr;
-        v16 mu = vld(w->sum + r0) / kf, hi = vld(w->hi + r0), lo = vld(w->lo + r0);
-        v16 sd = vsqrt(vabs((hi - mu) * (mu - lo))), mua = vabs(mu);
-        if (nr == 16) {
-            vst(c->mu + row0 + r0, mu);
-            vst(c->hi + row0 + r0, hi);
-            vst(c->lo + row0 + r0, lo);
-        } else {
-            for (int64_t j = 0; j < nr; j++) {
-                c->mu[row0 + r0 + j] = mu[j];
-                c->hi[row0 + r0 + j] = hi[j];
-                c->lo[row0 + r0 + j] = lo[j];
-            }
-        }
-        v16 mus = mua * mu_scale;
-        for (int64_t s = 0; s < nseg; s++) {
-            int64_t q = s * RBMAX + r0;
-            v16 ref = vld(w->ref + q) * alpha, floor = splat(w->floor[s]);
-            if (c->bias) {
-                ref = ref + beta * vld(w->bsum + q);
-                floor = floor + bias_round * (vld(w->babs + q) * beta_abs);
-            }
-            v16 bracket = mus * splat(fm[s]);
-            bracket = bracket + vhypot(mua * splat(fcm[s]), sd * splat(fcs[s]));
-            bracket = bracket + sd * splat(fsp[s]);
-            v16 t = floor + scale * bracket;
-            v16 d = vabs(vld(w->csum + q) - ref);
-            v16i okv = (d <= t) & (d < inf);
-            v16i good = okv & (vabs(t) < inf);
-            v16 ratio = d / t;
-            /* lane-wise, no scalar writes into a vector that is read back whole */
-            worst = vsel((ratio > worst) & present, ratio, worst);
-            all_ok &= good | ~present;
-            if (nseg == 1 && nr == 16) { /* [rows][1]: 16 consecutive values */
-                int64_t o = row0 + r0;
-                vst(c->diff + o, d);
-                vst(c->thr + o, t);
-                v16b okb = __builtin_convertvector(-okv, v16b);
-                memcpy(c->ok + o, &okb, 16);
-                memset(c->zero + o, 0, 16);
+        for (int pt = 0; pt < NPART && pt * PW < rows - r0; pt++) {
+            int64_t rp = r0 + pt * PW, nr = rows - rp < PW ? rows - rp : PW;
+            const vpmask present = lane < (int32_t)nr;
+            vpart mu = pld(w->sum + rp) / kf, hi = pld(w->hi + rp), lo = pld(w->lo + rp);
+            vpart sd = psqrt(pabs((hi - mu) * (mu - lo))), mua = pabs(mu);
+            if (nr == PW) {
+                pst(c->mu + row0 + rp, mu);
+                pst(c->hi + row0 + rp, hi);
+                pst(c->lo + row0 + rp, lo);
             } else {
                 for (int64_t j = 0; j < nr; j++) {
-                    int64_t o = (row0 + r0 + j) * nseg + s;
-                    c->diff[o] = d[j];
-                    c->thr[o] = t[j];
-                    c->ok[o] = (uint8_t)(okv[j] != 0);
-                    c->zero[o] = 0;
+                    c->mu[row0 + rp + j] = mu[j];
+                    c->hi[row0 + rp + j] = hi[j];
+                    c->lo[row0 + rp + j] = lo[j];
+                }
+            }
+            vpart mus = mua * mu_scale;
+            for (int64_t s = 0; s < nseg; s++) {
+                int64_t q = s * RBMAX + rp;
+                vpart ref = pld(w->ref + q) * alpha, floor = psplat(w->floor[s]);
+                if (c->bias) {
+                    ref = ref + beta * pld(w->bsum + q);
+                    floor = floor + bias_round * (pld(w->babs + q) * beta_abs);
+                }
+                vpart bracket = mus * psplat(fm[s]);
+                bracket = bracket + phypot(mua * psplat(fcm[s]), sd * psplat(fcs[s]));
+                bracket = bracket + sd * psplat(fsp[s]);
+                vpart t = floor + scale * bracket;
+                vpart d = pabs(pld(w->csum + q) - ref);
+                vpmask okv = (d <= t) & (d < inf);
+                vpmask good = okv & (pabs(t) < inf);
+                vpart ratio = d / t;
+                /* lane-wise, no scalar writes into a vector that is read back whole */
+                worst[pt] = psel((ratio > worst[pt]) & present, ratio, worst[pt]);
+                all_ok[pt] &= good | ~present;
+                if (nseg == 1 && nr == PW) { /* [rows][1]: PW consecutive values */
+                    int64_t o = row0 + rp;
+                    pst(c->diff + o, d);
+                    pst(c->thr + o, t);
+                    pst_flags(c->ok + o, okv);
+                    memset(c->zero + o, 0, PW);
+                } else {
+                    for (int64_t j = 0; j < nr; j++) {
+                        int64_t o = (row0 + rp + j) * nseg + s;
+                        c->diff[o] = d[j];
+                        c->thr[o] = t[j];
+                        c->ok[o] = (uint8_t)(okv[j] != 0);
+                        c->zero[o] = 0;
+                    }
                 }
             }
         }
     }
-    *worst_out = hmax(worst);
+    v16 wv;
+    int32_t ok[16];
+    for (int pt = 0; pt < NPART; pt++) {
+        pset(&wv, pt, worst[pt]);
+        memcpy(ok + pt * PW, &all_ok[pt], sizeof all_ok[pt]);
+    }
+    *worst_out = hmax(wv);
     for (int j = 0; j < 16; j++)
-        if (!all_ok[j]) return 0;
+        if (!ok[j]) return 0;
     return 1;
 }
 

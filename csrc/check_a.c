@@ -22,33 +22,36 @@ static const float ZEROS[KC];
 /* sum / max / min of a contiguous run p[0..k) of dtype dt, converted in registers, as
  * vectors for finish16: the same lane assignment and order as acc_stats over consecutive
  * KC blocks (KC is a multiple of 64), with the 12 accumulators in registers for the
- * whole run. */
+ * whole run (one part at a time, lanes.h). */
 static void row_stats(const char *p, int dt, int64_t k, v16 *sum, v16 *hi, v16 *lo) {
     int64_t esz = ESZ[dt], i = 0;
     v16 S[4], H[4], L[4];
-    v16 s0 = splat(0.0f), s1 = s0, s2 = s0, s3 = s0;
-    v16 h0 = splat(-INFINITY), h1 = h0, h2 = h0, h3 = h0;
-    v16 l0 = splat(INFINITY), l1 = l0, l2 = l0, l3 = l0;
-    for (; i + 64 <= k; i += 64) {
-        const char *q = p + i * esz;
-        v16 v0 = load16(q, dt, 16), v1 = load16(q + 16 * esz, dt, 16);
-        v16 v2 = load16(q + 32 * esz, dt, 16), v3 = load16(q + 48 * esz, dt, 16);
-        s0 += v0;
-        s1 += v1;
-        s2 += v2;
-        s3 += v3;
-        h0 = vmax(v0, h0);
-        h1 = vmax(v1, h1);
-        h2 = vmax(v2, h2);
-        h3 = vmax(v3, h3);
-        l0 = vmin(v0, l0);
-        l1 = vmin(v1, l1);
-        l2 = vmin(v2, l2);
-        l3 = vmin(v3, l3);
+    for (int pt = 0; pt < NPART; pt++) {
+        const char *ph = p + pt * PW * esz;
+        vpart s0 = psplat(0.0f), s1 = s0, s2 = s0, s3 = s0;
+        vpart h0 = psplat(-INFINITY), h1 = h0, h2 = h0, h3 = h0;
+        vpart l0 = psplat(INFINITY), l1 = l0, l2 = l0, l3 = l0;
+        for (i = 0; i + 64 <= k; i += 64) {
+            const char *q = ph + i * esz;
+            vpart v0 = pload(q, dt, PW), v1 = pload(q + 16 * esz, dt, PW);
+            vpart v2 = pload(q + 32 * esz, dt, PW), v3 = pload(q + 48 * esz, dt, PW);
+            s0 += v0;
+            s1 += v1;
+            s2 += v2;
+            s3 += v3;
+            h0 = pmax(v0, h0);
+            h1 = pmax(v1, h1);
+            h2 = pmax(v2, h2);
+            h3 = pmax(v3, h3);
+            l0 = pmin(v0, l0);
+            l1 = pmin(v1, l1);
+            l2 = pmin(v2, l2);
+            l3 = pmin(v3, l3);
+        }
+        pset(&S[0], pt, s0), pset(&S[1], pt, s1), pset(&S[2], pt, s2), pset(&S[3], pt, s3);
+        pset(&H[0], pt, h0), pset(&H[1], pt, h1), pset(&H[2], pt, h2), pset(&H[3], pt, h3);
+        pset(&L[0], pt, l0), pset(&L[1], pt, l1), pset(&L[2], pt, l2), pset(&L[3], pt, l3);
     }
-    S[0] = s0, S[1] = s1, S[2] = s2, S[3] = s3;
-    H[0] = h0, H[1] = h1, H[2] = h2, H[3] = h3;
-    L[0] = l0, L[1] = l1, L[2] = l2, L[3] = l3;
     if (i < k) {
         float tmp[64];
         cvt(p + i * esz, dt, 1, k - i, tmp);
@@ -66,25 +69,27 @@ static inline __attribute__((always_inline)) void dot4(const char *const *x, int
     for (int64_t r = 0; r < padded; r += 4) {
         const char *x0 = x[r], *x1 = x[r + 1], *x2 = x[r + 2], *x3 = x[r + 3];
         v16 *a = acc + r * nseg;
-        v16 a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
-        for (int64_t i = 0; i < kv; i += 16) {
-            v16 bv = vld(b + i);
-            a0 += load16(x0 + i * esz, dt, 16) * bv;
-            a1 += load16(x1 + i * esz, dt, 16) * bv;
-            a2 += load16(x2 + i * esz, dt, 16) * bv;
-            a3 += load16(x3 + i * esz, dt, 16) * bv;
-        }
+        vpart a0[NPART], a1[NPART], a2[NPART], a3[NPART];
+        for (int pt = 0; pt < NPART; pt++)
+            a0[pt] = pget(&a[0], pt), a1[pt] = pget(&a[1], pt), a2[pt] = pget(&a[2], pt), a3[pt] = pget(&a[3], pt);
+        for (int64_t i = 0; i < kv; i += 16)
+            for (int pt = 0; pt < NPART; pt++) { /* both parts per step: 8 independent chains with AVX2 */
+                int64_t j = i + pt * PW;
+                vpart bv = pld(b + j);
+                a0[pt] += pload(x0 + j * esz, dt, PW) * bv;
+                a1[pt] += pload(x1 + j * esz, dt, PW) * bv;
+                a2[pt] += pload(x2 + j * esz, dt, PW) * bv;
+                a3[pt] += pload(x3 + j * esz, dt, PW) * bv;
+            }
+        for (int pt = 0; pt < NPART; pt++)
+            pset(&a[0], pt, a0[pt]), pset(&a[1], pt, a1[pt]), pset(&a[2], pt, a2[pt]), pset(&a[3], pt, a3[pt]);
         for (int64_t i = kv; i < kc; i++) {
             int q = (int)(i & 15);
-            a0[q] += ld(x0, dt, i) * b[i];
-            a1[q] += ld(x1, dt, i) * b[i];
-            a2[q] += ld(x2, dt, i) * b[i];
-            a3[q] += ld(x3, dt, i) * b[i];
+            a[0][q] += ld(x0, dt, i) * b[i];
+            a[1][q] += ld(x1, dt, i) * b[i];
+            a[2][q] += ld(x2, dt, i) * b[i];
+            a[3][q] += ld(x3, dt, i) * b[i];
         }
-        a[0] = a0;
-        a[1] = a1;
-        a[2] = a2;
-        a[3] = a3;
     }
 }
 
@@ -157,26 +162,29 @@ void vabft_a_rows(const chk_ctx *c, const char *pa, int64_t rows, const float *b
     }
 }
 
-/* One group of 16 rows of a column-major block (x[q * ld], q < kc) for NS segments at
- * once: each vector of A is loaded once and feeds the statistics and every segment's dot.
- * The same operations in the same order as the unfused loops of vabft_a_cols (per block
- * of 16 k: four interleaved partials, then into the total). */
+/* One part (lanes.h) of a group of 16 rows of a column-major block (x[q * ld], q < kc;
+ * x at the part's first row) for NS segments at once: each vector of A is loaded once and
+ * feeds the statistics (when ST) and every segment's dot. The same operations in the same
+ * order as the unfused loops of vabft_a_cols (per block of 16 k: four interleaved
+ * partials, then into the total). */
 static inline __attribute__((always_inline)) void cols_fused(const float *x, int64_t ld, int64_t kc,
-                                                             const float *b, int64_t sbrs, int NS, v16 *t,
-                                                             v16 *hg, v16 *lg, v16 *acc) {
-    v16 tt = *t, hh = *hg, ll = *lg, a[4];
-    for (int s = 0; s < NS; s++) a[s] = acc[s];
+                                                             const float *b, int64_t sbrs, int NS, int ST, int pt,
+                                                             v16 *t, v16 *hg, v16 *lg, v16 *acc) {
+    vpart tt = pget(t, pt), hh = pget(hg, pt), ll = pget(lg, pt), a[4];
+    for (int s = 0; s < NS; s++) a[s] = pget(&acc[s], pt);
     for (int64_t q0 = 0; q0 < kc; q0 += 16) {
         int64_t q1 = q0 + 16 < kc ? q0 + 16 : kc;
-        v16 p0 = splat(0.0f), p1 = p0, p2 = p0, p3 = p0, d0[4], d1[4], d2[4], d3[4];
-        for (int s = 0; s < NS; s++) d0[s] = d1[s] = d2[s] = d3[s] = splat(0.0f);
-#define FUSED(pj, dj, q)                                                      \
-    {                                                                         \
-        v16 v = vld(x + ld * (q));                                            \
-        pj += v;                                                              \
-        hh = vmax(v, hh);                                                     \
-        ll = vmin(v, ll);                                                     \
-        for (int s = 0; s < NS; s++) dj[s] += v * splat(b[s * sbrs + (q)]); \
+        vpart p0 = psplat(0.0f), p1 = p0, p2 = p0, p3 = p0, d0[4], d1[4], d2[4], d3[4];
+        for (int s = 0; s < NS; s++) d0[s] = d1[s] = d2[s] = d3[s] = psplat(0.0f);
+#define FUSED(pj, dj, q)                                                       \
+    {                                                                          \
+        vpart v = pld(x + ld * (q));                                           \
+        if (ST) {                                                              \
+            pj += v;                                                           \
+            hh = pmax(v, hh);                                                  \
+            ll = pmin(v, ll);                                                  \
+        }                                                                      \
+        for (int s = 0; s < NS; s++) dj[s] += v * psplat(b[s * sbrs + (q)]); \
     }
         int64_t q = q0;
         for (; q + 4 <= q1; q += 4) {
@@ -186,22 +194,48 @@ static inline __attribute__((always_inline)) void cols_fused(const float *x, int
         if (q + 1 < q1) FUSED(p1, d1, q + 1)
         if (q + 2 < q1) FUSED(p2, d2, q + 2)
 #undef FUSED
-        tt += (p0 + p1) + (p2 + p3);
+        if (ST) tt += (p0 + p1) + (p2 + p3);
         for (int s = 0; s < NS; s++) a[s] += (d0[s] + d1[s]) + (d2[s] + d3[s]);
     }
-    *t = tt;
-    *hg = hh;
-    *lg = ll;
-    for (int s = 0; s < NS; s++) acc[s] = a[s];
+    if (ST) {
+        pset(t, pt, tt);
+        pset(hg, pt, hh);
+        pset(lg, pt, ll);
+    }
+    for (int s = 0; s < NS; s++) pset(&acc[s], pt, a[s]);
 }
+
+/* cols_fused for ns <= 4 segments from b (and the statistics when st), one variant each */
+static void cols_chunk(const float *x, int64_t ld, int64_t kc, const float *b, int64_t sbrs, int64_t ns, int st,
+                       int pt, v16 *t, v16 *hg, v16 *lg, v16 *acc) {
+    switch (ns * 2 + !!st) {
+    case 2: cols_fused(x, ld, kc, b, sbrs, 1, 0, pt, t, hg, lg, acc); break;
+    case 3: cols_fused(x, ld, kc, b, sbrs, 1, 1, pt, t, hg, lg, acc); break;
+    case 4: cols_fused(x, ld, kc, b, sbrs, 2, 0, pt, t, hg, lg, acc); break;
+    case 5: cols_fused(x, ld, kc, b, sbrs, 2, 1, pt, t, hg, lg, acc); break;
+    case 6: cols_fused(x, ld, kc, b, sbrs, 3, 0, pt, t, hg, lg, acc); break;
+    case 7: cols_fused(x, ld, kc, b, sbrs, 3, 1, pt, t, hg, lg, acc); break;
+    case 8: cols_fused(x, ld, kc, b, sbrs, 4, 0, pt, t, hg, lg, acc); break;
+    default: cols_fused(x, ld, kc, b, sbrs, 4, 1, pt, t, hg, lg, acc); break;
+    }
+}
+
+/* Whether cols_fused takes every segment, in chunks of 4 (the statistics with the first):
+ * with 32 registers of 16 lanes, up to 4 segments in one chunk, and more in a pass for the
+ * statistics and one per segment. With AVX2 (parts of 8 lanes, 16 registers) chunks of 4
+ * spill some partials but are still faster past 4 segments: a pass per segment reads the
+ * group's KCC runs again, and with a column stride of 4 KiB (M = 1024, fp32) they share one
+ * 8-way L1 set, so each pass reads them from L2 (nseg = 8: 730 -> 470 us). */
+#define ALL_CHUNKS (PW == 8)
 
 /* R <= RBC rows of a column-major A (stride 1 along M): lane r % 16 of group r / 16 is row
  * r; each row sums in k order, 4 interleaved partials per block of 16 k (k0 a multiple of
  * 16), then into the total. A block of KCC k is KCC contiguous runs of R elements: read
  * in place (fp32, R a multiple of 16) or converted into buf[q][RBC] (zeros past R), the
- * same values either way. Up to 4 segments, one pass per group (cols_fused); more, a
- * pass for the statistics and one per segment. A row's arithmetic depends neither on R,
- * on its group nor on the path. */
+ * same values either way. Up to 4 segments (any number with AVX2: ALL_CHUNKS), a pass
+ * per group and chunk of 4 (cols_fused); more, a pass for the statistics and one per
+ * segment. Groups run a part at a time (parts without rows skipped). A row's arithmetic
+ * depends neither on R, on its group, its part nor on the path. */
 void vabft_a_cols(const chk_ctx *c, const char *pa, int64_t rows, const float *br, float *buf, v16 *acc,
                   float *sum, float *hi, float *lo, float *ref) {
     /* c's fields in locals: the stores into buf and acc could alias *c, and reloading them
@@ -225,71 +259,63 @@ void vabft_a_cols(const chk_ctx *c, const char *pa, int64_t rows, const float *b
         const float *xb = direct ? (const float *)(pa + k0 * sak * esz) : buf;
         for (int64_t q = 0; q < kc && !direct; q++) {
             const char *p = pa + (k0 + q) * sak * esz;
-            for (int64_t g = 0; g < ng; g++) {
-                int64_t n = rows - 16 * g;
-                vst(buf + RBC * q + 16 * g, load16(p + 16 * g * esz, adt, n < 16 ? n : 16));
-            }
-        }
-        if (nseg <= 4) {
-            const float *b = br + k0;
-            for (int64_t g = 0; g < ng; g++) {
-                v16 *t = &tot[g], *hg = &h[g], *lg = &l[g], *a = acc + g * nseg;
-                if (nseg == 1)
-                    cols_fused(xb + 16 * g, ld, kc, b, sbrs, 1, t, hg, lg, a);
-                else if (nseg == 2)
-                    cols_fused(xb + 16 * g, ld, kc, b, sbrs, 2, t, hg, lg, a);
-                else if (nseg == 3)
-                    cols_fused(xb + 16 * g, ld, kc, b, sbrs, 3, t, hg, lg, a);
-                else
-                    cols_fused(xb + 16 * g, ld, kc, b, sbrs, 4, t, hg, lg, a);
-            }
-            continue;
+            for (int64_t r = 0; r < 16 * ng; r += PW)
+                pst(buf + RBC * q + r, pload(p + r * esz, adt, rows - r));
         }
         for (int64_t g = 0; g < ng; g++) {
-            const float *x = xb + 16 * g;
-            v16 t = tot[g], hg = h[g], lg = l[g];
-            for (int64_t q0 = 0; q0 < kc; q0 += 16) {
-                int64_t q1 = q0 + 16 < kc ? q0 + 16 : kc;
-                v16 p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
-#define COL(pj, q)                        \
-    {                                     \
-        v16 v = vld(x + ld * (q));       \
-        pj += v;                          \
-        hg = vmax(v, hg);                 \
-        lg = vmin(v, lg);                 \
-    }
-                int64_t q = q0;
-                for (; q + 4 <= q1; q += 4) {
-                    COL(p0, q) COL(p1, q + 1) COL(p2, q + 2) COL(p3, q + 3)
+            for (int pt = 0; pt < NPART && 16 * g + pt * PW < rows; pt++) {
+                const float *x = xb + 16 * g + pt * PW;
+                v16 *a = acc + g * nseg;
+                if (nseg <= 4 || ALL_CHUNKS) {
+                    for (int64_t s0 = 0; s0 < nseg; s0 += 4)
+                        cols_chunk(x, ld, kc, br + s0 * sbrs + k0, sbrs, nseg - s0 < 4 ? nseg - s0 : 4, s0 == 0, pt,
+                                   &tot[g], &h[g], &l[g], a + s0);
+                    continue;
                 }
-                if (q < q1) COL(p0, q)
-                if (q + 1 < q1) COL(p1, q + 1)
-                if (q + 2 < q1) COL(p2, q + 2)
-#undef COL
-                t += (p0 + p1) + (p2 + p3);
-            }
-            tot[g] = t;
-            h[g] = hg;
-            l[g] = lg;
-            for (int64_t sg = 0; sg < nseg; sg++) {
-                const float *b = br + sg * sbrs + k0;
-                v16 a = acc[g * nseg + sg];
+                vpart t = pget(&tot[g], pt), hg = pget(&h[g], pt), lg = pget(&l[g], pt);
                 for (int64_t q0 = 0; q0 < kc; q0 += 16) {
                     int64_t q1 = q0 + 16 < kc ? q0 + 16 : kc;
-                    v16 p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
+                    vpart p0 = psplat(0.0f), p1 = p0, p2 = p0, p3 = p0;
+#define COL(pj, q)                  \
+    {                               \
+        vpart v = pld(x + ld * (q)); \
+        pj += v;                    \
+        hg = pmax(v, hg);           \
+        lg = pmin(v, lg);           \
+    }
                     int64_t q = q0;
                     for (; q + 4 <= q1; q += 4) {
-                        p0 += vld(x + ld * q) * splat(b[q]);
-                        p1 += vld(x + ld * (q + 1)) * splat(b[q + 1]);
-                        p2 += vld(x + ld * (q + 2)) * splat(b[q + 2]);
-                        p3 += vld(x + ld * (q + 3)) * splat(b[q + 3]);
+                        COL(p0, q) COL(p1, q + 1) COL(p2, q + 2) COL(p3, q + 3)
                     }
-                    if (q < q1) p0 += vld(x + ld * q) * splat(b[q]);
-                    if (q + 1 < q1) p1 += vld(x + ld * (q + 1)) * splat(b[q + 1]);
-                    if (q + 2 < q1) p2 += vld(x + ld * (q + 2)) * splat(b[q + 2]);
-                    a += (p0 + p1) + (p2 + p3);
+                    if (q < q1) COL(p0, q)
+                    if (q + 1 < q1) COL(p1, q + 1)
+                    if (q + 2 < q1) COL(p2, q + 2)
+#undef COL
+                    t += (p0 + p1) + (p2 + p3);
                 }
-                acc[g * nseg + sg] = a;
+                pset(&tot[g], pt, t);
+                pset(&h[g], pt, hg);
+                pset(&l[g], pt, lg);
+                for (int64_t sg = 0; sg < nseg; sg++) {
+                    const float *b = br + sg * sbrs + k0;
+                    vpart as = pget(&a[sg], pt);
+                    for (int64_t q0 = 0; q0 < kc; q0 += 16) {
+                        int64_t q1 = q0 + 16 < kc ? q0 + 16 : kc;
+                        vpart p0 = psplat(0.0f), p1 = p0, p2 = p0, p3 = p0;
+                        int64_t q = q0;
+                        for (; q + 4 <= q1; q += 4) {
+                            p0 += pld(x + ld * q) * psplat(b[q]);
+                            p1 += pld(x + ld * (q + 1)) * psplat(b[q + 1]);
+                            p2 += pld(x + ld * (q + 2)) * psplat(b[q + 2]);
+                            p3 += pld(x + ld * (q + 3)) * psplat(b[q + 3]);
+                        }
+                        if (q < q1) p0 += pld(x + ld * q) * psplat(b[q]);
+                        if (q + 1 < q1) p1 += pld(x + ld * (q + 1)) * psplat(b[q + 1]);
+                        if (q + 2 < q1) p2 += pld(x + ld * (q + 2)) * psplat(b[q + 2]);
+                        as += (p0 + p1) + (p2 + p3);
+                    }
+                    pset(&a[sg], pt, as);
+                }
             }
         }
     }

@@ -20,24 +20,29 @@
  * rows get 0; fewer than 4 rows, only theirs, one tree each). */
 static void x_rows(const chk_ctx *c, const char *px, int dt, int64_t sm, int64_t sx, int64_t rows, float *buf,
                    v16 *vec, float *out, float *aout) {
-    int direct = dt == DT_F32 && sx == 1;
     int64_t nseg = c->nseg;
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t s = 0; s < nseg; s++) {
             v16 *vs = vec + s * 16, *va = vs + 16 * nseg;
             int64_t w = seg_width(c->n, s);
             const char *p = px + (r * sm + s * SEG * sx) * ESZ[dt];
-            const float *x;
-            if (direct) {
-                x = (const float *)p;
-            } else {
+            const float *rs = c->r ? c->r + s * SEG : NULL;
+            v16 *as = aout ? &va[r] : NULL;
+            /* a contiguous run is read in place (bf16 / fp16 converted in registers), a
+             * strided one gathered into buf first */
+            const char *x = p;
+            int xdt = dt;
+            if (sx != 1) {
                 cvt(p, dt, sx, w, buf);
-                x = buf;
+                x = (const char *)buf;
+                xdt = DT_F32;
             }
-            v16 S[4] = {{0}}, A[4] = {{0}};
-            acc_sum(x, c->r ? c->r + s * SEG : NULL, w, S, aout ? A : NULL);
-            vs[r] = comb4(S);
-            va[r] = comb4(A);
+            if (xdt == DT_F32)
+                run_sum(x, DT_F32, rs, w, &vs[r], as);
+            else if (xdt == DT_BF16)
+                run_sum(x, DT_BF16, rs, w, &vs[r], as);
+            else
+                run_sum(x, DT_F16, rs, w, &vs[r], as);
         }
     }
     if (rows < 4) { /* a row or two (decoding): one tree each, the same values */
@@ -56,32 +61,41 @@ static void x_rows(const chk_ctx *c, const char *px, int dt, int64_t sm, int64_t
     }
 }
 
-/* Segment sums of R <= 16 rows of a column-major X (stride 1 along M): lane r is row r. */
+/* Segment sums of R <= 16 rows of a column-major X (stride 1 along M): lane r is row r,
+ * one part (lanes.h) at a time, parts without rows skipped. */
 static void x_cols(const chk_ctx *c, const char *px, int dt, int64_t sx, int64_t rows, float *out, float *aout) {
+    const int64_t esz = ESZ[dt];
     for (int64_t s = 0; s < c->nseg; s++) {
         int64_t w = seg_width(c->n, s);
         v16 tot = {0}, atot = {0};
-        for (int64_t j0 = 0; j0 < w; j0 += 16) {
-            int64_t j1 = j0 + 16 < w ? j0 + 16 : w;
-            v16 p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0}, q0 = {0}, q1 = {0}, q2 = {0}, q3 = {0};
-#define XC(pj, qj, jj)                                                   \
-    {                                                                    \
-        int64_t col = s * SEG + (jj);                                    \
-        v16 v = load16(px + col * sx * ESZ[dt], dt, rows);               \
-        if (c->r) v = v * c->r[col];                                     \
-        pj += v;                                                         \
-        qj += vabs(v);                                                   \
+        for (int pt = 0; pt < NPART && pt * PW < rows; pt++) {
+            const char *ph = px + pt * PW * esz;
+            int64_t nh = rows - pt * PW;
+            vpart t = pget(&tot, pt), at = pget(&atot, pt);
+            for (int64_t j0 = 0; j0 < w; j0 += 16) {
+                int64_t j1 = j0 + 16 < w ? j0 + 16 : w;
+                vpart p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0}, q0 = {0}, q1 = {0}, q2 = {0}, q3 = {0};
+#define XC(pj, qj, jj)                                             \
+    {                                                              \
+        int64_t col = s * SEG + (jj);                              \
+        vpart v = pload(ph + col * sx * esz, dt, nh);              \
+        if (c->r) v = v * c->r[col];                               \
+        pj += v;                                                   \
+        qj += pabs(v);                                             \
     }
-            int64_t j = j0;
-            for (; j + 4 <= j1; j += 4) {
-                XC(p0, q0, j) XC(p1, q1, j + 1) XC(p2, q2, j + 2) XC(p3, q3, j + 3)
-            }
-            if (j < j1) XC(p0, q0, j)
-            if (j + 1 < j1) XC(p1, q1, j + 1)
-            if (j + 2 < j1) XC(p2, q2, j + 2)
+                int64_t j = j0;
+                for (; j + 4 <= j1; j += 4) {
+                    XC(p0, q0, j) XC(p1, q1, j + 1) XC(p2, q2, j + 2) XC(p3, q3, j + 3)
+                }
+                if (j < j1) XC(p0, q0, j)
+                if (j + 1 < j1) XC(p1, q1, j + 1)
+                if (j + 2 < j1) XC(p2, q2, j + 2)
 #undef XC
-            tot += (p0 + p1) + (p2 + p3);
-            atot += (q0 + q1) + (q2 + q3);
+                t += (p0 + p1) + (p2 + p3);
+                at += (q0 + q1) + (q2 + q3);
+            }
+            pset(&tot, pt, t);
+            pset(&atot, pt, at);
         }
         for (int64_t r = 0; r < rows; r++) {
             out[s * RBMAX + r] = tot[r];

@@ -10,12 +10,17 @@
  *
  * Operands are read through memcpy (any alignment, no strict-aliasing games); bf16 /
  * fp16 are converted a block or a vector at a time, never as a copy of a whole operand.
+ *
+ * Hot loops run on parts of a v16 (below): the v16 itself with AVX-512 (and in the
+ * portable code), its two 256-bit halves with AVX2, where gcc would otherwise keep every
+ * v16 on the stack. Any ISA-specific path here computes what the portable C computes,
+ * bit for bit: the same lanes, trees and operand order.
  */
 #ifndef VABFT_LANES_H
 #define VABFT_LANES_H
 
 #include <math.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <stdint.h>
@@ -76,6 +81,89 @@ static inline float ld(const char *p, int dt, int64_t i) {
     return dt == DT_BF16 ? bf16_to_f(h) : f16_to_f(h);
 }
 
+/* ---- AVX2 halves ------------------------------------------------------------------------
+ * Without AVX-512 a v16 is no machine type: gcc keeps it on the stack, splits its
+ * arithmetic into two 256-bit ops through memory, and lowers a 16-lane comparison,
+ * shuffle, conversion or lane extraction one lane at a time. With AVX2 the helpers below
+ * work on its two 8-lane halves (lanes 0-7, 8-15) instead, and the hot loops on parts
+ * (below). Each computes what the portable code computes, lane by lane, in the same
+ * order with the same operands: the same bits (tests/test_native_isa.py compares the
+ * two builds). */
+#if !defined(__AVX512F__) && defined(__AVX2__)
+#define VABFT_AVX2 1
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+static inline __m256 v16_lo(v16 v) {
+    __m256 h;
+    memcpy(&h, &v, 32);
+    return h;
+}
+static inline __m256 v16_hi(v16 v) {
+    __m256 h;
+    memcpy(&h, (const char *)&v + 32, 32);
+    return h;
+}
+static inline v16 v16_of(__m256 lo, __m256 hi) {
+    v16 v;
+    memcpy(&v, &lo, 32);
+    memcpy((char *)&v + 32, &hi, 32);
+    return v;
+}
+
+/* 8 elements of dtype dt at p in fp32: bf16 is the top half of its fp32, fp16 converts
+ * exactly (F16C), as bf16_to_f / f16_to_f do */
+static inline __m256 ld8(const char *p, int dt) {
+    if (dt == DT_F32) return _mm256_loadu_ps((const float *)p);
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (dt == DT_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#ifdef __F16C__
+    return _mm256_cvtph_ps(h);
+#else
+    float x[8];
+    for (int j = 0; j < 8; j++) x[j] = ld(p, DT_F16, j);
+    return _mm256_loadu_ps(x);
+#endif
+}
+
+/* The trees of hsum / hmax / hmin (below) on the halves: OP(lo, hi) combines lane j with
+ * lane j + w, in the operand order of the 16-lane code (x[j] + x[j + w], and
+ * vmax(x[j + w], x[j])). HALVES1: lane 0 of one vector. HALVES16: 16 vectors at once,
+ * each level combining the halves of two vectors in one op as the AVX-512 version does;
+ * lane r of the result is row r. */
+#define VABFT_ADD8(lo, hi) _mm256_add_ps(lo, hi)
+#define VABFT_MAX8(lo, hi) _mm256_max_ps(hi, lo)
+#define VABFT_MIN8(lo, hi) _mm256_min_ps(hi, lo)
+#define VABFT_ADD4(lo, hi) _mm_add_ps(lo, hi)
+#define VABFT_MAX4(lo, hi) _mm_max_ps(hi, lo)
+#define VABFT_MIN4(lo, hi) _mm_min_ps(hi, lo)
+#define VABFT_HALVES1(NAME, OP8, OP4)                                                               \
+    static inline float NAME(v16 v) {                                                               \
+        __m256 y = OP8(v16_lo(v), v16_hi(v));                                                       \
+        __m128 z = OP4(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));                     \
+        z = OP4(z, _mm_movehl_ps(z, z));    /* w = 2: lanes 2, 3 to 0, 1 */                         \
+        z = OP4(z, _mm_movehdup_ps(z));     /* w = 1: lane 1 to 0 */                                \
+        return _mm_cvtss_f32(z);                                                                    \
+    }
+#define VABFT_HALVES16(NAME, OP8)                                                                   \
+    static inline v16 NAME(const v16 *x) {                                                          \
+        __m256 z[8], u[4], s[2];                                                                    \
+        for (int i = 0; i < 8; i++) { /* w = 8 per row, w = 4: rows 2i, 2i + 1 per block */         \
+            __m256 a = OP8(v16_lo(x[2 * i]), v16_hi(x[2 * i]));                                     \
+            __m256 b = OP8(v16_lo(x[2 * i + 1]), v16_hi(x[2 * i + 1]));                             \
+            z[i] = OP8(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));     \
+        }                                                                                           \
+        for (int i = 0; i < 4; i++) /* w = 2: block c: rows 4i + c, 4i + 2 + c */                   \
+            u[i] = OP8(_mm256_shuffle_ps(z[2 * i], z[2 * i + 1], 0x44),                             \
+                       _mm256_shuffle_ps(z[2 * i], z[2 * i + 1], 0xEE));                            \
+        for (int i = 0; i < 2; i++) /* w = 1: block c: rows 8i + c + 0, 2, 4, 6 */                  \
+            s[i] = OP8(_mm256_shuffle_ps(u[2 * i], u[2 * i + 1], 0x88),                             \
+                       _mm256_shuffle_ps(u[2 * i], u[2 * i + 1], 0xDD));                            \
+        const __m256i ROW = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);                              \
+        return v16_of(_mm256_permutevar8x32_ps(s[0], ROW), _mm256_permutevar8x32_ps(s[1], ROW));    \
+    }
+#endif
+
 /* dst[i] = p[i * stride] in fp32, i < n */
 static inline void cvt(const char *p, int dt, int64_t stride, int64_t n, float *dst) {
     int64_t i = 0;
@@ -84,6 +172,9 @@ static inline void cvt(const char *p, int dt, int64_t stride, int64_t n, float *
             memcpy(dst, p, (size_t)n * 4);
             return;
         }
+#ifdef VABFT_AVX2
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, ld8(p + 2 * i, dt));
+#else
         if (dt == DT_BF16) {
             for (; i + 16 <= n; i += 16) {
                 v16s h;
@@ -102,6 +193,7 @@ static inline void cvt(const char *p, int dt, int64_t stride, int64_t n, float *
             }
         }
 #endif
+#endif
         for (; i < n; i++) dst[i] = ld(p, dt, i);
         return;
     }
@@ -116,15 +208,22 @@ static inline v16 vld(const float *p) {
     return v;
 }
 static inline void vst(float *p, v16 v) { memcpy(p, &v, 64); }
-static inline v16 splat(float x) {
+static inline v16 splat(float x) { /* 0 + x: -0 becomes +0 */
+#ifdef VABFT_AVX2
+    v8 h = (v8){0} + x;
+    return v16_of((__m256)h, (__m256)h);
+#else
     v16 v = {0};
     return v + x;
+#endif
 }
 /* a > b ? a : b, lane-wise: a NaN in a is ignored (see the NaN rescans). This is exactly
  * x86's maxps / minps (the second operand when unordered or both zero). */
 static inline v16 vmax(v16 a, v16 b) {
 #ifdef __AVX512F__
     return (v16)_mm512_max_ps((__m512)a, (__m512)b);
+#elif defined(VABFT_AVX2)
+    return v16_of(_mm256_max_ps(v16_lo(a), v16_lo(b)), _mm256_max_ps(v16_hi(a), v16_hi(b)));
 #else
     v16i m = a > b;
     return (v16)((m & (v16i)a) | (~m & (v16i)b));
@@ -133,6 +232,8 @@ static inline v16 vmax(v16 a, v16 b) {
 static inline v16 vmin(v16 a, v16 b) {
 #ifdef __AVX512F__
     return (v16)_mm512_min_ps((__m512)a, (__m512)b);
+#elif defined(VABFT_AVX2)
+    return v16_of(_mm256_min_ps(v16_lo(a), v16_lo(b)), _mm256_min_ps(v16_hi(a), v16_hi(b)));
 #else
     v16i m = a < b;
     return (v16)((m & (v16i)a) | (~m & (v16i)b));
@@ -141,6 +242,11 @@ static inline v16 vmin(v16 a, v16 b) {
 static inline v16 vabs(v16 a) { return (v16)((v16i)a & 0x7fffffff); }
 
 /* fixed reduction trees over the 16 lanes: x[j] op x[j + w] for w = 8, 4, 2, 1 */
+#ifdef VABFT_AVX2
+VABFT_HALVES1(hsum, VABFT_ADD8, VABFT_ADD4)
+VABFT_HALVES1(hmax, VABFT_MAX8, VABFT_MAX4)
+VABFT_HALVES1(hmin, VABFT_MIN8, VABFT_MIN4)
+#else
 static const v16i SH8 = {8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7};
 static const v16i SH4 = {4, 5, 6, 7, 0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15};
 static const v16i SH2 = {2, 3, 0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -167,6 +273,7 @@ static inline float hmin(v16 v) {
     v = vmin(__builtin_shuffle(v, SH1), v);
     return v[0];
 }
+#endif
 
 /* The three trees above for 16 vectors at once: lane r of the result is hsum / hmax /
  * hmin of x[r], bit for bit (the same pairs combined in the same order, so a value does
@@ -202,6 +309,10 @@ VABFT_TREE16(hmin16, VABFT_MIN)
 #undef VABFT_MAX
 #undef VABFT_MIN
 #undef VABFT_TREE16
+#elif defined(VABFT_AVX2)
+VABFT_HALVES16(hsum16, VABFT_ADD8)
+VABFT_HALVES16(hmax16, VABFT_MAX8)
+VABFT_HALVES16(hmin16, VABFT_MIN8)
 #else
 static inline v16 hsum16(const v16 *x) {
     v16 r;
@@ -225,6 +336,9 @@ static inline v16 hmin16(const v16 *x) {
 static inline v16 load16(const char *p, int dt, int64_t n) {
     if (n == 16) {
         if (dt == DT_F32) return vld((const float *)p);
+#ifdef VABFT_AVX2
+        return v16_of(ld8(p, dt), ld8(p + 8 * ESZ[dt], dt));
+#endif
         if (dt == DT_BF16) {
             v16s h;
             memcpy(&h, p, 32);
@@ -239,6 +353,72 @@ static inline v16 load16(const char *p, int dt, int64_t n) {
     float x[16] = {0};
     for (int64_t i = 0; i < n; i++) x[i] = ld(p, dt, i);
     return vld(x);
+}
+
+/* ---- parts ------------------------------------------------------------------------------
+ * The hot loops compute a v16 as NPART parts of PW lanes, part h holding lanes [h PW,
+ * h PW + PW): the v16 itself with AVX-512 and in the portable code, its two AVX2 halves
+ * otherwise, so that a loop's accumulators stay in registers. Lanes are independent, and
+ * a lane goes through the same operations whichever part holds it, so the results do not
+ * depend on PW. */
+#ifdef VABFT_AVX2
+#define PW 8
+typedef v8 vpart;
+typedef v8i vpmask;
+#else
+#define PW 16
+typedef v16 vpart;
+typedef v16i vpmask;
+#endif
+#define NPART (16 / PW)
+
+static inline vpart pld(const float *p) {
+    vpart v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void pst(float *p, vpart v) { memcpy(p, &v, sizeof v); }
+/* part h of *v, and into it */
+static inline vpart pget(const v16 *v, int h) { return pld((const float *)v + h * PW); }
+static inline void pset(v16 *v, int h, vpart x) { pst((float *)v + h * PW, x); }
+static inline vpart psplat(float x) { /* as splat: 0 + x (-0 becomes +0) */
+    vpart v = {0};
+    return v + x;
+}
+static inline vpart pmax(vpart a, vpart b) {
+#ifdef VABFT_AVX2
+    return (vpart)_mm256_max_ps((__m256)a, (__m256)b);
+#else
+    return vmax(a, b);
+#endif
+}
+static inline vpart pmin(vpart a, vpart b) {
+#ifdef VABFT_AVX2
+    return (vpart)_mm256_min_ps((__m256)a, (__m256)b);
+#else
+    return vmin(a, b);
+#endif
+}
+static inline vpart pabs(vpart a) { return (vpart)((vpmask)a & 0x7fffffff); }
+static inline vpart psel(vpmask m, vpart a, vpart b) { return (vpart)((m & (vpmask)a) | (~m & (vpmask)b)); }
+/* 0, 1, .., PW - 1 */
+static inline vpmask pindex(void) {
+    static const int32_t I[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vpmask m;
+    memcpy(&m, I, sizeof m);
+    return m;
+}
+/* part h of load16(p - h PW elements, dt, n + h PW): PW elements of dtype dt at p, the
+ * first n of them when n < PW (the rest 0; none when n <= 0) */
+static inline vpart pload(const char *p, int dt, int64_t n) {
+#ifdef VABFT_AVX2
+    if (n >= PW) return (vpart)ld8(p, dt);
+    float x[PW] = {0};
+    for (int64_t i = 0; i < n; i++) x[i] = ld(p, dt, i);
+    return pld(x);
+#else
+    return load16(p, dt, n < 16 ? n : 16);
+#endif
 }
 
 #endif /* VABFT_LANES_H */

@@ -16,9 +16,12 @@
 #include "lanes.h"
 
 /* Element i of a contiguous run goes to lane i % 16 of accumulator (i / 16) % 4; the four
- * accumulators are combined as (0 + 1) + (2 + 3), then hsum. */
+ * accumulators are combined as (0 + 1) + (2 + 3) into *c, then hsum. */
 #define ACC(i) (((i) >> 4) & 3)
-static inline v16 comb4(const v16 *a) { return (a[0] + a[1]) + (a[2] + a[3]); }
+static inline void comb4(const v16 *a, v16 *c) {
+    for (int pt = 0; pt < NPART; pt++)
+        pset(c, pt, (pget(&a[0], pt) + pget(&a[1], pt)) + (pget(&a[2], pt) + pget(&a[3], pt)));
+}
 
 /* The last n < 16 values of a run (times r when given), padded with 0 for sums, -inf for
  * max and +inf for min. */
@@ -39,67 +42,75 @@ static inline void tail_vals(const float *x, const float *r, int64_t n, v16 *vs,
     *vl = vld(c);
 }
 
-/* Accumulate the run x[0..w) (times r) into sums S[4], and |.| into A[4] when A: element
- * i goes to lane i % 16 of accumulator ACC(i). Constant indices only, so that the
- * accumulators stay in registers. */
-static inline __attribute__((always_inline)) void acc_sum(const float *x, const float *r, int64_t w, v16 *S, v16 *A) {
-    v16 s0 = S[0], s1 = S[1], s2 = S[2], s3 = S[3], z = {0};
-    v16 a0 = A ? A[0] : z, a1 = A ? A[1] : z, a2 = A ? A[2] : z, a3 = A ? A[3] : z;
-    int64_t i = 0;
-#define LD(o) (r ? vld(x + i + (o)) * vld(r + i + (o)) : vld(x + i + (o)))
-    for (; i + 64 <= w; i += 64) {
-        v16 v0 = LD(0), v1 = LD(16), v2 = LD(32), v3 = LD(48);
-        s0 += v0;
-        s1 += v1;
-        s2 += v2;
-        s3 += v3;
-        if (A) {
-            a0 += vabs(v0);
-            a1 += vabs(v1);
-            a2 += vabs(v2);
-            a3 += vabs(v3);
+/* The sums of the run x[0..w) (dtype dt, converted in registers; times r), and of |.|
+ * when A, as comb4 vectors into *S and *A: element i goes to lane i % 16 of accumulator
+ * ACC(i), the four accumulators start at 0. One part at a time (lanes.h), constant
+ * indices only, so that the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void run_sum(const char *x, int dt, const float *r, int64_t w, v16 *S,
+                                                          v16 *A) {
+    const int64_t esz = ESZ[dt];
+    for (int pt = 0; pt < NPART; pt++) {
+        const char *xh = x + pt * PW * esz;
+        const float *rh = r ? r + pt * PW : NULL;
+        vpart s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        int64_t i = 0;
+#define LDX(o) (r ? pload(xh + (i + (o)) * esz, dt, PW) * pld(rh + i + (o)) : pload(xh + (i + (o)) * esz, dt, PW))
+        for (; i + 64 <= w; i += 64) {
+            vpart v0 = LDX(0), v1 = LDX(16), v2 = LDX(32), v3 = LDX(48);
+            s0 += v0;
+            s1 += v1;
+            s2 += v2;
+            s3 += v3;
+            if (A) {
+                a0 += pabs(v0);
+                a1 += pabs(v1);
+                a2 += pabs(v2);
+                a3 += pabs(v3);
+            }
         }
-    }
 #define SREM(j, sj, aj)                                                                  \
-    if (w - i > 16 * (j)) {                                                              \
-        int64_t n = w - i - 16 * (j);                                                    \
-        v16 v, vh, vl;                                                                   \
-        if (n >= 16)                                                                     \
-            v = LD(16 * (j));                                                            \
-        else                                                                             \
-            tail_vals(x + i + 16 * (j), r ? r + i + 16 * (j) : NULL, n, &v, &vh, &vl);   \
-        sj += v;                                                                         \
-        aj += vabs(v);                                                                   \
-    }
-    SREM(0, s0, a0)
-    SREM(1, s1, a1)
-    SREM(2, s2, a2)
-    SREM(3, s3, a3)
+        if (w - i > 16 * (j)) {                                                          \
+            int64_t n = w - i - 16 * (j);                                                \
+            vpart v;                                                                     \
+            if (n >= 16) {                                                               \
+                v = LDX(16 * (j));                                                       \
+            } else {                                                                     \
+                float y[16];                                                             \
+                v16 t, th, tl;                                                           \
+                cvt(x + (i + 16 * (j)) * esz, dt, 1, n, y);                              \
+                tail_vals(y, r ? r + i + 16 * (j) : NULL, n, &t, &th, &tl);              \
+                v = pget(&t, pt);                                                        \
+            }                                                                            \
+            sj += v;                                                                     \
+            aj += pabs(v);                                                               \
+        }
+        SREM(0, s0, a0)
+        SREM(1, s1, a1)
+        SREM(2, s2, a2)
+        SREM(3, s3, a3)
 #undef SREM
-    S[0] = s0;
-    S[1] = s1;
-    S[2] = s2;
-    S[3] = s3;
-    if (A) {
-        A[0] = a0;
-        A[1] = a1;
-        A[2] = a2;
-        A[3] = a3;
+#undef LDX
+        pset(S, pt, (s0 + s1) + (s2 + s3)); /* comb4 */
+        if (A) pset(A, pt, (a0 + a1) + (a2 + a3));
     }
 }
 
-/* Accumulate sum / max / min of the run x[0..w) (times r) into S, H, L (4 each). */
-static inline void acc_stats(const float *x, const float *r, int64_t w, v16 *S, v16 *H, v16 *L) {
-    v16 s0 = S[0], s1 = S[1], s2 = S[2], s3 = S[3];
-    v16 h0 = H[0], h1 = H[1], h2 = H[2], h3 = H[3];
-    v16 l0 = L[0], l1 = L[1], l2 = L[2], l3 = L[3];
+/* Part pt (lanes.h) of the run x[0..w) (times r) accumulated into its sum / max / min
+ * accumulators s, h, l (4 each; the caller's locals, kept in registers once inlined). */
+static inline __attribute__((always_inline)) void part_stats(const float *x, const float *r, int64_t w, int pt,
+                                                             vpart *s, vpart *h, vpart *l) {
+    const float *xh = x + pt * PW, *rh = r ? r + pt * PW : NULL;
+    vpart s0 = s[0], s1 = s[1], s2 = s[2], s3 = s[3];
+    vpart h0 = h[0], h1 = h[1], h2 = h[2], h3 = h[3];
+    vpart l0 = l[0], l1 = l[1], l2 = l[2], l3 = l[3];
     int64_t i = 0;
+#define LD(o) (r ? pld(xh + i + (o)) * pld(rh + i + (o)) : pld(xh + i + (o)))
 #define STEP(sj, hj, lj, v, vh, vl) \
     sj += v;                        \
-    hj = vmax(vh, hj);              \
-    lj = vmin(vl, lj);
+    hj = pmax(vh, hj);              \
+    lj = pmin(vl, lj);
     for (; i + 64 <= w; i += 64) {
-        v16 v0 = LD(0), v1 = LD(16), v2 = LD(32), v3 = LD(48);
+        vpart v0 = LD(0), v1 = LD(16), v2 = LD(32), v3 = LD(48);
         STEP(s0, h0, l0, v0, v0, v0)
         STEP(s1, h1, l1, v1, v1, v1)
         STEP(s2, h2, l2, v2, v2, v2)
@@ -108,11 +119,15 @@ static inline void acc_stats(const float *x, const float *r, int64_t w, v16 *S, 
 #define REM(j, sj, hj, lj)                                                               \
     if (w - i > 16 * (j)) {                                                              \
         int64_t n = w - i - 16 * (j);                                                    \
-        v16 v, vh, vl;                                                                   \
+        vpart v, vh, vl;                                                                 \
         if (n >= 16) {                                                                   \
             v = vh = vl = LD(16 * (j));                                                  \
         } else {                                                                         \
-            tail_vals(x + i + 16 * (j), r ? r + i + 16 * (j) : NULL, n, &v, &vh, &vl);   \
+            v16 t, th, tl;                                                               \
+            tail_vals(x + i + 16 * (j), r ? r + i + 16 * (j) : NULL, n, &t, &th, &tl);   \
+            v = pget(&t, pt);                                                            \
+            vh = pget(&th, pt);                                                          \
+            vl = pget(&tl, pt);                                                          \
         }                                                                                \
         STEP(sj, hj, lj, v, vh, vl)                                                      \
     }
@@ -123,35 +138,53 @@ static inline void acc_stats(const float *x, const float *r, int64_t w, v16 *S, 
 #undef REM
 #undef STEP
 #undef LD
-    S[0] = s0;
-    S[1] = s1;
-    S[2] = s2;
-    S[3] = s3;
-    H[0] = h0;
-    H[1] = h1;
-    H[2] = h2;
-    H[3] = h3;
-    L[0] = l0;
-    L[1] = l1;
-    L[2] = l2;
-    L[3] = l3;
+    s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
+    h[0] = h0, h[1] = h1, h[2] = h2, h[3] = h3;
+    l[0] = l0, l[1] = l1, l[2] = l2, l[3] = l3;
 }
 
+/* Accumulate sum / max / min of the run x[0..w) (times r) into S, H, L (4 each). */
+static inline void acc_stats(const float *x, const float *r, int64_t w, v16 *S, v16 *H, v16 *L) {
+    for (int pt = 0; pt < NPART; pt++) {
+        vpart s[4], h[4], l[4];
+        for (int j = 0; j < 4; j++) s[j] = pget(&S[j], pt), h[j] = pget(&H[j], pt), l[j] = pget(&L[j], pt);
+        part_stats(x, r, w, pt, s, h, l);
+        for (int j = 0; j < 4; j++) pset(&S[j], pt, s[j]), pset(&H[j], pt, h[j]), pset(&L[j], pt, l[j]);
+    }
+}
+
+/* The accumulators' starting values: 0, -inf, +inf */
 static inline void init_stats(v16 *S, v16 *H, v16 *L) {
-    for (int j = 0; j < 4; j++) {
-        S[j] = splat(0.0f);
-        H[j] = splat(-INFINITY);
-        L[j] = splat(INFINITY);
+    for (int pt = 0; pt < NPART; pt++)
+        for (int j = 0; j < 4; j++) {
+            pset(&S[j], pt, psplat(0.0f));
+            pset(&H[j], pt, psplat(-INFINITY));
+            pset(&L[j], pt, psplat(INFINITY));
+        }
+}
+
+/* init_stats, acc_stats and comb_stats (below) of one run, the accumulators in
+ * registers throughout */
+static inline void run_stats(const float *x, const float *r, int64_t w, v16 *sum, v16 *hi, v16 *lo) {
+    for (int pt = 0; pt < NPART; pt++) {
+        vpart s[4], h[4], l[4];
+        for (int j = 0; j < 4; j++) s[j] = psplat(0.0f), h[j] = psplat(-INFINITY), l[j] = psplat(INFINITY);
+        part_stats(x, r, w, pt, s, h, l);
+        pset(sum, pt, (s[0] + s[1]) + (s[2] + s[3]));
+        pset(hi, pt, pmax(pmax(h[0], h[1]), pmax(h[2], h[3])));
+        pset(lo, pt, pmin(pmin(l[0], l[1]), pmin(l[2], l[3])));
     }
 }
 
 /* The four accumulators of each of sum / max / min combined into one vector, which
  * hsum / hmax / hmin (one run) or finish16 (16 runs) reduce: a run's sum / max / min is
- * hsum(comb4(S)), hmax(max of H) and hmin(min of L), whichever of the two reduces it. */
+ * hsum of comb4(S), hmax(max of H) and hmin(min of L), whichever of the two reduces it. */
 static inline void comb_stats(const v16 *S, const v16 *H, const v16 *L, v16 *sum, v16 *hi, v16 *lo) {
-    *sum = comb4(S);
-    *hi = vmax(vmax(H[0], H[1]), vmax(H[2], H[3]));
-    *lo = vmin(vmin(L[0], L[1]), vmin(L[2], L[3]));
+    comb4(S, sum);
+    for (int pt = 0; pt < NPART; pt++) {
+        pset(hi, pt, pmax(pmax(pget(&H[0], pt), pget(&H[1], pt)), pmax(pget(&H[2], pt), pget(&H[3], pt))));
+        pset(lo, pt, pmin(pmin(pget(&L[0], pt), pget(&L[1], pt)), pmin(pget(&L[2], pt), pget(&L[3], pt))));
+    }
 }
 
 /* sum / max / min of 16 runs at once from their comb_stats vectors: 16 lanes stored to

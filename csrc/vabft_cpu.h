@@ -15,7 +15,8 @@
  * a whole operand.
  *
  * Files, one concept each:
- *   lanes.h        16-lane fp32 vectors, dtype conversion, fixed reduction trees;
+ *   lanes.h        16-lane fp32 vectors, dtype conversion, fixed reduction trees, and
+ *                  the parts hot loops compute them in (AVX2: two halves);
  *   runs.h         sum / max / min of a contiguous run in a fixed lane order;
  *   parallel.c     the per-call split (on torch's OpenMP pool, else pthreads) and when;
  *   weight_side.c  B -> Br, its statistics, aggregates and threshold factors;

@@ -53,10 +53,7 @@ static int ws_rows(void *vctx, int64_t i0, int64_t i1) {
                     } else {
                         x = (const float *)p;
                     }
-                    v16 S[4], H[4], L[4];
-                    init_stats(S, H, L);
-                    acc_stats(x, c->r ? c->r + s * SEG : NULL, w, S, H, L);
-                    comb_stats(S, H, L, &vs[j], &vh[j], &vl[j]);
+                    run_stats(x, c->r ? c->r + s * SEG : NULL, w, &vs[j], &vh[j], &vl[j]);
                 }
             }
             for (int64_t s = 0; s < nseg; s++) {
@@ -104,59 +101,65 @@ static int ws_cols(void *vctx, int64_t i0, int64_t i1) {
             int64_t j1 = j0 + 16 < w ? j0 + 16 : w;
             int64_t q0 = 0;
             for (; q0 + 64 <= kc; q0 += 64) {
-                v16 p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
-                v16 h0 = vld(hi + q0), h1 = vld(hi + q0 + 16), h2 = vld(hi + q0 + 32), h3 = vld(hi + q0 + 48);
-                v16 l0 = vld(lo + q0), l1 = vld(lo + q0 + 16), l2 = vld(lo + q0 + 32), l3 = vld(lo + q0 + 48);
-                for (int64_t j = j0; j < j1; j++) {
-                    const char *p = base + (j * c->sbn + q0) * esz;
-                    v16 v0 = load16(p, c->dt, 16), v1 = load16(p + 16 * esz, c->dt, 16);
-                    v16 v2 = load16(p + 32 * esz, c->dt, 16), v3 = load16(p + 48 * esz, c->dt, 16);
-                    if (rs) {
-                        v16 rj = splat(rs[j]);
-                        v0 = v0 * rj;
-                        v1 = v1 * rj;
-                        v2 = v2 * rj;
-                        v3 = v3 * rj;
+                for (int pt = 0; pt < NPART; pt++) { /* a part at a time (lanes.h) */
+                    int64_t qp = q0 + pt * PW;
+                    vpart p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
+                    vpart h0 = pld(hi + qp), h1 = pld(hi + qp + 16), h2 = pld(hi + qp + 32), h3 = pld(hi + qp + 48);
+                    vpart l0 = pld(lo + qp), l1 = pld(lo + qp + 16), l2 = pld(lo + qp + 32), l3 = pld(lo + qp + 48);
+                    for (int64_t j = j0; j < j1; j++) {
+                        const char *p = base + (j * c->sbn + qp) * esz;
+                        vpart v0 = pload(p, c->dt, PW), v1 = pload(p + 16 * esz, c->dt, PW);
+                        vpart v2 = pload(p + 32 * esz, c->dt, PW), v3 = pload(p + 48 * esz, c->dt, PW);
+                        if (rs) {
+                            vpart rj = psplat(rs[j]);
+                            v0 = v0 * rj;
+                            v1 = v1 * rj;
+                            v2 = v2 * rj;
+                            v3 = v3 * rj;
+                        }
+                        p0 += v0;
+                        p1 += v1;
+                        p2 += v2;
+                        p3 += v3;
+                        h0 = pmax(v0, h0);
+                        h1 = pmax(v1, h1);
+                        h2 = pmax(v2, h2);
+                        h3 = pmax(v3, h3);
+                        l0 = pmin(v0, l0);
+                        l1 = pmin(v1, l1);
+                        l2 = pmin(v2, l2);
+                        l3 = pmin(v3, l3);
                     }
-                    p0 += v0;
-                    p1 += v1;
-                    p2 += v2;
-                    p3 += v3;
-                    h0 = vmax(v0, h0);
-                    h1 = vmax(v1, h1);
-                    h2 = vmax(v2, h2);
-                    h3 = vmax(v3, h3);
-                    l0 = vmin(v0, l0);
-                    l1 = vmin(v1, l1);
-                    l2 = vmin(v2, l2);
-                    l3 = vmin(v3, l3);
+                    pst(tot + qp, pld(tot + qp) + p0);
+                    pst(tot + qp + 16, pld(tot + qp + 16) + p1);
+                    pst(tot + qp + 32, pld(tot + qp + 32) + p2);
+                    pst(tot + qp + 48, pld(tot + qp + 48) + p3);
+                    pst(hi + qp, h0);
+                    pst(hi + qp + 16, h1);
+                    pst(hi + qp + 32, h2);
+                    pst(hi + qp + 48, h3);
+                    pst(lo + qp, l0);
+                    pst(lo + qp + 16, l1);
+                    pst(lo + qp + 32, l2);
+                    pst(lo + qp + 48, l3);
                 }
-                vst(tot + q0, vld(tot + q0) + p0);
-                vst(tot + q0 + 16, vld(tot + q0 + 16) + p1);
-                vst(tot + q0 + 32, vld(tot + q0 + 32) + p2);
-                vst(tot + q0 + 48, vld(tot + q0 + 48) + p3);
-                vst(hi + q0, h0);
-                vst(hi + q0 + 16, h1);
-                vst(hi + q0 + 32, h2);
-                vst(hi + q0 + 48, h3);
-                vst(lo + q0, l0);
-                vst(lo + q0 + 16, l1);
-                vst(lo + q0 + 32, l2);
-                vst(lo + q0 + 48, l3);
             }
             for (; q0 < kc; q0 += 16) {
                 int64_t n = kc - q0 < 16 ? kc - q0 : 16;
-                v16 p0 = {0}, h0 = vld(hi + q0), l0 = vld(lo + q0);
-                for (int64_t j = j0; j < j1; j++) {
-                    v16 v0 = load16(base + (j * c->sbn + q0) * esz, c->dt, n);
-                    if (rs) v0 = v0 * splat(rs[j]);
-                    p0 += v0;
-                    h0 = vmax(v0, h0);
-                    l0 = vmin(v0, l0);
+                for (int pt = 0; pt < NPART && pt * PW < n; pt++) {
+                    int64_t qp = q0 + pt * PW;
+                    vpart p0 = {0}, h0 = pld(hi + qp), l0 = pld(lo + qp);
+                    for (int64_t j = j0; j < j1; j++) {
+                        vpart v0 = pload(base + (j * c->sbn + qp) * esz, c->dt, n - pt * PW);
+                        if (rs) v0 = v0 * psplat(rs[j]);
+                        p0 += v0;
+                        h0 = pmax(v0, h0);
+                        l0 = pmin(v0, l0);
+                    }
+                    pst(tot + qp, pld(tot + qp) + p0);
+                    pst(hi + qp, h0);
+                    pst(lo + qp, l0);
                 }
-                vst(tot + q0, vld(tot + q0) + p0);
-                vst(hi + q0, h0);
-                vst(lo + q0, l0);
             }
         }
         float *obr = c->br + (bi * c->nseg + s) * c->k + k0;
@@ -174,6 +177,8 @@ static int ws_cols(void *vctx, int64_t i0, int64_t i1) {
 }
 
 typedef double v16d __attribute__((vector_size(128)));
+typedef double v4d __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
 
 /* the 16 lanes of v summed by a fixed tree (lane j + w into lane j, w = 8, 4, 2, 1) */
 static double dsum16(const v16d *v) {
@@ -184,45 +189,66 @@ static double dsum16(const v16d *v) {
     return t[0];
 }
 
+/* acc[q] += lanes 4q .. 4q + 3 of x in fp64 (exact), q < PW / 4: 4 lanes of fp64 are one
+ * register with AVX2 */
+static inline void add_f64(v4d *acc, vpart x) {
+    for (int q = 0; q < PW / 4; q++) {
+        v4f f;
+        memcpy(&f, (const char *)&x + 16 * q, 16);
+        acc[q] += __builtin_convertvector(f, v4d);
+    }
+}
+
 /* Per segment: the aggregates of abft.weight_side and the factors of WeightSide._factors.
  * Sums over k run in double on one thread (the result does not depend on the thread
  * count), 16 k at a time: k goes to lane k % 16 (a tail padded with zeros, which add
  * nothing), then the lanes reduce by a fixed tree. Vectors rather than one k at a time
  * because this runs between the threaded encode and the check while the other threads
  * wait: one k at a time (a chain of dependent double adds) it took a fifth of a small
- * batched weight side. agg is [9][bt][nseg]: p1, p2, v, col_norm, f_mean, f_cross_mu,
- * f_cross_sd, f_spread, and bad as 0 / 1 in the last plane. Returns mu_scale. */
+ * batched weight side. The lanes run a part (lanes.h) at a time, each over every k.
+ * agg is [9][bt][nseg]: p1, p2, v, col_norm, f_mean, f_cross_mu, f_cross_sd, f_spread,
+ * and bad as 0 / 1 in the last plane. Returns mu_scale. */
 static float ws_aggregate(const ws_ctx *c, float *agg, uint8_t *bad) {
     int64_t plane = c->bt * c->nseg;
     float *p1o = agg, *p2o = agg + plane, *vo = agg + 2 * plane, *cno = agg + 3 * plane;
     float *fm = agg + 4 * plane, *fcm = agg + 5 * plane, *fcs = agg + 6 * plane, *fsp = agg + 7 * plane;
     int overflow = 0;
+    const vpmask lane = pindex();
     for (int64_t bi = 0; bi < c->bt; bi++) {
         for (int64_t s = 0; s < c->nseg; s++) {
             int64_t o = bi * c->nseg + s;
             const float *br = c->br + o * c->k, *hi = c->hi + o * c->k, *lo = c->lo + o * c->k;
             float w = (float)seg_width(c->n, s);
-            v16d p1 = {0}, p2 = {0}, v = {0}, cn = {0};
-            for (int64_t k0 = 0; k0 < c->k; k0 += 16) {
-                int64_t nk = c->k - k0 < 16 ? c->k - k0 : 16;
-                v16 vb = splat(0.0f), vh = vb, vl = vb;
-                if (nk == 16) {
-                    vb = vld(br + k0), vh = vld(hi + k0), vl = vld(lo + k0);
-                } else {
-                    for (int64_t j = 0; j < nk; j++) vb[j] = br[k0 + j], vh[j] = hi[k0 + j], vl[j] = lo[k0 + j];
+            v16d p1, p2, v, cn;
+            for (int pt = 0; pt < NPART; pt++) {
+                v4d a1[PW / 4] = {{0}}, a2[PW / 4] = {{0}}, av[PW / 4] = {{0}}, ac[PW / 4] = {{0}};
+                for (int64_t k0 = 0; k0 < c->k; k0 += 16) {
+                    int64_t kp = k0 + pt * PW, np = c->k - kp; /* lanes < np hold a k */
+                    vpart vb = psplat(0.0f), vh = vb, vl = vb;
+                    if (np >= PW) {
+                        vb = pld(br + kp), vh = pld(hi + kp), vl = pld(lo + kp);
+                    } else {
+                        for (int64_t j = 0; j < np; j++) vb[j] = br[kp + j], vh[j] = hi[kp + j], vl[j] = lo[kp + j];
+                    }
+                    vpart mu = vb / psplat(w);
+                    vpart var = pabs((vh - mu) * (mu - vl));
+                    vpart m = psel(vh > -vl, vh, -vl);
+                    m = psel((vh != vh) | (vl != vl), psplat(NAN), m);
+                    if (np < PW) { /* padding lanes add 0 */
+                        vpmask live = lane < (int32_t)(np > 0 ? np : 0);
+                        mu = psel(live, mu, psplat(0.0f));
+                        var = psel(live, var, psplat(0.0f));
+                        m = psel(live, m, psplat(0.0f));
+                    }
+                    add_f64(a1, pabs(mu));
+                    add_f64(a2, mu * mu);
+                    add_f64(av, var);
+                    add_f64(ac, m * m);
                 }
-                v16 mu = vb / splat(w);
-                v16 var = vabs((vh - mu) * (mu - vl));
-                v16i gt = vh > -vl;
-                v16 m = (v16)((gt & (v16i)vh) | (~gt & (v16i)(-vl)));
-                v16i nan = (vh != vh) | (vl != vl);
-                m = (v16)((nan & (v16i)splat(NAN)) | (~nan & (v16i)m));
-                if (nk < 16) /* padding lanes add 0 */
-                    for (int64_t j = nk; j < 16; j++) mu[j] = var[j] = m[j] = 0.0f;
-                p1 += __builtin_convertvector(vabs(mu), v16d);
-                p2 += __builtin_convertvector(mu * mu, v16d);
-                v += __builtin_convertvector(var, v16d);
-                cn += __builtin_convertvector(m * m, v16d);
+                memcpy((char *)&p1 + pt * PW * 8, a1, sizeof a1);
+                memcpy((char *)&p2 + pt * PW * 8, a2, sizeof a2);
+                memcpy((char *)&v + pt * PW * 8, av, sizeof av);
+                memcpy((char *)&cn + pt * PW * 8, ac, sizeof ac);
             }
             double p1s = dsum16(&p1), p2s = dsum16(&p2), vs = dsum16(&v), cns = dsum16(&cn);
             float P1 = (float)p1s, P2 = (float)p2s, V = (float)vs;
