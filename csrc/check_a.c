@@ -28,29 +28,13 @@ static void row_stats(const char *p, int dt, int64_t k, v16 *sum, v16 *hi, v16 *
     v16 S[4], H[4], L[4];
     for (int pt = 0; pt < NPART; pt++) {
         const char *ph = p + pt * PW * esz;
-        vpart s0 = psplat(0.0f), s1 = s0, s2 = s0, s3 = s0;
-        vpart h0 = psplat(-INFINITY), h1 = h0, h2 = h0, h3 = h0;
-        vpart l0 = psplat(INFINITY), l1 = l0, l2 = l0, l3 = l0;
+        vpart s[4], h[4], l[4], v[4];
+        for (int u = 0; u < 4; u++) s[u] = psplat(0.0f), h[u] = psplat(-INFINITY), l[u] = psplat(INFINITY);
         for (i = 0; i + 64 <= k; i += 64) {
-            const char *q = ph + i * esz;
-            vpart v0 = pload(q, dt, PW), v1 = pload(q + 16 * esz, dt, PW);
-            vpart v2 = pload(q + 32 * esz, dt, PW), v3 = pload(q + 48 * esz, dt, PW);
-            s0 += v0;
-            s1 += v1;
-            s2 += v2;
-            s3 += v3;
-            h0 = pmax(v0, h0);
-            h1 = pmax(v1, h1);
-            h2 = pmax(v2, h2);
-            h3 = pmax(v3, h3);
-            l0 = pmin(v0, l0);
-            l1 = pmin(v1, l1);
-            l2 = pmin(v2, l2);
-            l3 = pmin(v3, l3);
+            pload4(ph + i * esz, dt, v);
+            pstats4(v, s, h, l);
         }
-        pset(&S[0], pt, s0), pset(&S[1], pt, s1), pset(&S[2], pt, s2), pset(&S[3], pt, s3);
-        pset(&H[0], pt, h0), pset(&H[1], pt, h1), pset(&H[2], pt, h2), pset(&H[3], pt, h3);
-        pset(&L[0], pt, l0), pset(&L[1], pt, l1), pset(&L[2], pt, l2), pset(&L[3], pt, l3);
+        for (int u = 0; u < 4; u++) pset(&S[u], pt, s[u]), pset(&H[u], pt, h[u]), pset(&L[u], pt, l[u]);
     }
     if (i < k) {
         float tmp[64];
@@ -176,23 +160,17 @@ static inline __attribute__((always_inline)) void cols_fused(const float *x, int
         int64_t q1 = q0 + 16 < kc ? q0 + 16 : kc;
         vpart p0 = psplat(0.0f), p1 = p0, p2 = p0, p3 = p0, d0[4], d1[4], d2[4], d3[4];
         for (int s = 0; s < NS; s++) d0[s] = d1[s] = d2[s] = d3[s] = psplat(0.0f);
-#define FUSED(pj, dj, q)                                                       \
-    {                                                                          \
-        vpart v = pld(x + ld * (q));                                           \
-        if (ST) {                                                              \
-            pj += v;                                                           \
-            hh = pmax(v, hh);                                                  \
-            ll = pmin(v, ll);                                                  \
-        }                                                                      \
-        for (int s = 0; s < NS; s++) dj[s] += v * psplat(b[s * sbrs + (q)]); \
+#define FUSED(u, q)                                                               \
+    {                                                                             \
+        vpart v = pld(x + ld * (q));                                              \
+        if (ST) {                                                                 \
+            p##u += v;                                                            \
+            hh = pmax(v, hh);                                                     \
+            ll = pmin(v, ll);                                                     \
+        }                                                                         \
+        for (int s = 0; s < NS; s++) d##u[s] += v * psplat(b[s * sbrs + (q)]); \
     }
-        int64_t q = q0;
-        for (; q + 4 <= q1; q += 4) {
-            FUSED(p0, d0, q) FUSED(p1, d1, q + 1) FUSED(p2, d2, q + 2) FUSED(p3, d3, q + 3)
-        }
-        if (q < q1) FUSED(p0, d0, q)
-        if (q + 1 < q1) FUSED(p1, d1, q + 1)
-        if (q + 2 < q1) FUSED(p2, d2, q + 2)
+        FOUR_PARTIALS(FUSED, q0, q1)
 #undef FUSED
         if (ST) tt += (p0 + p1) + (p2 + p3);
         for (int s = 0; s < NS; s++) a[s] += (d0[s] + d1[s]) + (d2[s] + d3[s]);

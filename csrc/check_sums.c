@@ -75,21 +75,15 @@ static void x_cols(const chk_ctx *c, const char *px, int dt, int64_t sx, int64_t
             for (int64_t j0 = 0; j0 < w; j0 += 16) {
                 int64_t j1 = j0 + 16 < w ? j0 + 16 : w;
                 vpart p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0}, q0 = {0}, q1 = {0}, q2 = {0}, q3 = {0};
-#define XC(pj, qj, jj)                                             \
-    {                                                              \
-        int64_t col = s * SEG + (jj);                              \
-        vpart v = pload(ph + col * sx * esz, dt, nh);              \
-        if (c->r) v = v * c->r[col];                               \
-        pj += v;                                                   \
-        qj += pabs(v);                                             \
+#define XC(u, jj)                                     \
+    {                                                 \
+        int64_t col = s * SEG + (jj);                 \
+        vpart v = pload(ph + col * sx * esz, dt, nh); \
+        if (c->r) v = v * c->r[col];                  \
+        p##u += v;                                    \
+        q##u += pabs(v);                              \
     }
-                int64_t j = j0;
-                for (; j + 4 <= j1; j += 4) {
-                    XC(p0, q0, j) XC(p1, q1, j + 1) XC(p2, q2, j + 2) XC(p3, q3, j + 3)
-                }
-                if (j < j1) XC(p0, q0, j)
-                if (j + 1 < j1) XC(p1, q1, j + 1)
-                if (j + 2 < j1) XC(p2, q2, j + 2)
+                FOUR_PARTIALS(XC, j0, j1)
 #undef XC
                 t += (p0 + p1) + (p2 + p3);
                 at += (q0 + q1) + (q2 + q3);

@@ -421,4 +421,34 @@ static inline vpart pload(const char *p, int dt, int64_t n) {
 #endif
 }
 
+/* part h of the four vectors of a block of 64 elements of dtype dt at p (16 apart): the
+ * four partials the statistics of A's rows and of B's runs keep */
+static inline __attribute__((always_inline)) void pload4(const char *p, int dt, vpart v[4]) {
+    for (int u = 0; u < 4; u++) v[u] = pload(p + 16 * u * ESZ[dt], dt, PW);
+}
+/* running sum, max and min of each of four partials: s[u] += v[u], h[u] = max(v[u], h[u]),
+ * l[u] = min(v[u], l[u]) (operands in this order: a NaN's fate depends on it) */
+static inline __attribute__((always_inline)) void pstats4(const vpart v[4], vpart s[4], vpart h[4], vpart l[4]) {
+    for (int u = 0; u < 4; u++) {
+        s[u] += v[u];
+        h[u] = pmax(v[u], h[u]);
+        l[u] = pmin(v[u], l[u]);
+    }
+}
+
+/* STEP(u, j) for each j in [j0, j1), into partial u = (j - j0) % 4, j ascending within a
+ * partial: a sum spread over four accumulators (four dependency chains in flight) whose
+ * order of operations, and so whose bits, j0 and j1 alone fix. STEP pastes u onto its
+ * accumulators' names (p##u). */
+#define FOUR_PARTIALS(STEP, j0, j1)                                     \
+    {                                                                   \
+        int64_t j_ = (j0);                                              \
+        for (; j_ + 4 <= (j1); j_ += 4) {                               \
+            STEP(0, j_) STEP(1, j_ + 1) STEP(2, j_ + 2) STEP(3, j_ + 3) \
+        }                                                               \
+        if (j_ < (j1)) STEP(0, j_)                                      \
+        if (j_ + 1 < (j1)) STEP(1, j_ + 1)                              \
+        if (j_ + 2 < (j1)) STEP(2, j_ + 2)                              \
+    }
+
 #endif /* VABFT_LANES_H */

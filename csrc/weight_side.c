@@ -103,45 +103,20 @@ static int ws_cols(void *vctx, int64_t i0, int64_t i1) {
             for (; q0 + 64 <= kc; q0 += 64) {
                 for (int pt = 0; pt < NPART; pt++) { /* a part at a time (lanes.h) */
                     int64_t qp = q0 + pt * PW;
-                    vpart p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
-                    vpart h0 = pld(hi + qp), h1 = pld(hi + qp + 16), h2 = pld(hi + qp + 32), h3 = pld(hi + qp + 48);
-                    vpart l0 = pld(lo + qp), l1 = pld(lo + qp + 16), l2 = pld(lo + qp + 32), l3 = pld(lo + qp + 48);
+                    vpart p[4], h[4], l[4], v[4];
+                    for (int u = 0; u < 4; u++)
+                        p[u] = psplat(0.0f), h[u] = pld(hi + qp + 16 * u), l[u] = pld(lo + qp + 16 * u);
                     for (int64_t j = j0; j < j1; j++) {
-                        const char *p = base + (j * c->sbn + qp) * esz;
-                        vpart v0 = pload(p, c->dt, PW), v1 = pload(p + 16 * esz, c->dt, PW);
-                        vpart v2 = pload(p + 32 * esz, c->dt, PW), v3 = pload(p + 48 * esz, c->dt, PW);
-                        if (rs) {
-                            vpart rj = psplat(rs[j]);
-                            v0 = v0 * rj;
-                            v1 = v1 * rj;
-                            v2 = v2 * rj;
-                            v3 = v3 * rj;
-                        }
-                        p0 += v0;
-                        p1 += v1;
-                        p2 += v2;
-                        p3 += v3;
-                        h0 = pmax(v0, h0);
-                        h1 = pmax(v1, h1);
-                        h2 = pmax(v2, h2);
-                        h3 = pmax(v3, h3);
-                        l0 = pmin(v0, l0);
-                        l1 = pmin(v1, l1);
-                        l2 = pmin(v2, l2);
-                        l3 = pmin(v3, l3);
+                        pload4(base + (j * c->sbn + qp) * esz, c->dt, v);
+                        if (rs)
+                            for (int u = 0; u < 4; u++) v[u] = v[u] * psplat(rs[j]);
+                        pstats4(v, p, h, l);
                     }
-                    pst(tot + qp, pld(tot + qp) + p0);
-                    pst(tot + qp + 16, pld(tot + qp + 16) + p1);
-                    pst(tot + qp + 32, pld(tot + qp + 32) + p2);
-                    pst(tot + qp + 48, pld(tot + qp + 48) + p3);
-                    pst(hi + qp, h0);
-                    pst(hi + qp + 16, h1);
-                    pst(hi + qp + 32, h2);
-                    pst(hi + qp + 48, h3);
-                    pst(lo + qp, l0);
-                    pst(lo + qp + 16, l1);
-                    pst(lo + qp + 32, l2);
-                    pst(lo + qp + 48, l3);
+                    for (int u = 0; u < 4; u++) {
+                        pst(tot + qp + 16 * u, pld(tot + qp + 16 * u) + p[u]);
+                        pst(hi + qp + 16 * u, h[u]);
+                        pst(lo + qp + 16 * u, l[u]);
+                    }
                 }
             }
             for (; q0 < kc; q0 += 16) {
