@@ -131,8 +131,10 @@ def test_train(tmp_path: Path) -> None:
                    "--heads", "2", "--ctx", "16", "--vocab", "32", "--batch", "2", "--every-n", "2",
                    "--budget", "0.05", "--window", "3")
     results = {r["config"]: r for r in report["results"]}
-    assert list(results) == ["baseline", "intercept only", "Full()", "Budget(0.05, window=3)", "EveryN(2)"]
+    assert list(results) == ["baseline", "empty dispatch mode", "intercept only", "Full()", "Budget(0.05, window=3)",
+                             "EveryN(2)"]
     assert all(r["step_ms_median"] > 0 for r in results.values())
+    assert "sites" not in results["empty dispatch mode"]  # no guard: nothing seen, nothing verified
     full = results["Full()"]
     assert full["gemms_verified_per_step"] == full["gemms_seen_per_step"] > 0
     assert full["max_gap_steps"] == 0 and full["flagged"] == 0
