@@ -44,6 +44,39 @@ static void row_stats(const char *p, int dt, int64_t k, v16 *sum, v16 *hi, v16 *
     comb_stats(S, H, L, sum, hi, lo);
 }
 
+/* row_stats of a contiguous run p[0..k) together with its dot with b[0..k) (one segment),
+ * from the same loads: *dot lane q = the sum over i = q (mod 16), in i order, of p[i] *
+ * b[i], as dot4 accumulates it over consecutive KC blocks (vectors of 16, then the
+ * scalar tail). Why: with one segment (N <= 256: the MOE gate, a small model's
+ * projections) the separate dot pass read each row a second time and cost about a
+ * fifth of the check. */
+static void row_stats_dot(const char *p, int dt, int64_t k, const float *b, v16 *sum, v16 *hi, v16 *lo, v16 *dot) {
+    int64_t esz = ESZ[dt], kv = k & ~(int64_t)15, i = 0;
+    v16 S[4], H[4], L[4], D;
+    for (int pt = 0; pt < NPART; pt++) {
+        const char *ph = p + pt * PW * esz;
+        const float *bh = b + pt * PW;
+        vpart s[4], h[4], l[4], v[4], d = psplat(0.0f);
+        for (int u = 0; u < 4; u++) s[u] = psplat(0.0f), h[u] = psplat(-INFINITY), l[u] = psplat(INFINITY);
+        for (i = 0; i + 64 <= k; i += 64) {
+            pload4(ph + i * esz, dt, v);
+            pstats4(v, s, h, l);
+            for (int u = 0; u < 4; u++) d += v[u] * pld(bh + i + 16 * u);
+        }
+        for (int64_t j = i; j < kv; j += 16) d += pload(ph + j * esz, dt, PW) * pld(bh + j);
+        for (int u = 0; u < 4; u++) pset(&S[u], pt, s[u]), pset(&H[u], pt, h[u]), pset(&L[u], pt, l[u]);
+        pset(&D, pt, d);
+    }
+    for (int64_t j = kv; j < k; j++) D[j & 15] += ld(p, dt, j) * b[j];
+    if (i < k) {
+        float tmp[64];
+        cvt(p + i * esz, dt, 1, k - i, tmp);
+        acc_stats(tmp, NULL, k - i, S, H, L);
+    }
+    comb_stats(S, H, L, sum, hi, lo);
+    *dot = D;
+}
+
 /* acc[r * nseg + (r & 3)] += x[r][0..kc) * b (lane i % 16, in i order) for rows r < padded,
  * four rows per Br load; x[r] holds dtype dt (a constant where inlined). Every dtype
  * converts to the same fp32 values, so a row's arithmetic does not depend on dt here. */
@@ -90,19 +123,23 @@ void vabft_a_rows(const chk_ctx *c, const char *pa, int64_t rows, const float *b
     int contig = c->sak == 1;
     v16 s[RB][4], h[RB][4], l[RB][4], vs[16], vh[16], vl[16];
     for (int64_t r = rows; r < 16; r++) vs[r] = vh[r] = vl[r] = splat(0.0f);
-    if (contig) {
+    memset(acc, 0, sizeof(v16) * padded * nseg);
+    int fused = contig && nseg == 1; /* one segment: its dot in the statistics' pass */
+    if (fused) {
+        for (int64_t r = 0; r < rows; r++)
+            row_stats_dot(pa + r * c->sam * ESZ[c->adt], c->adt, c->k, br, &vs[r], &vh[r], &vl[r], &acc[r]);
+    } else if (contig) {
         for (int64_t r = 0; r < rows; r++)
             row_stats(pa + r * c->sam * ESZ[c->adt], c->adt, c->k, &vs[r], &vh[r], &vl[r]);
     } else {
         for (int64_t r = 0; r < rows; r++) init_stats(s[r], h[r], l[r]);
     }
-    memset(acc, 0, sizeof(v16) * padded * nseg);
     /* rows read in place (fp32; or bf16 / fp16 converted in registers when few segments
      * reuse them), else converted once per block into buf */
     int direct = contig && (c->adt == DT_F32 || nseg <= 2);
     int xdt = direct ? c->adt : DT_F32;
     const char *x[RB];
-    for (int64_t k0 = 0; k0 < c->k; k0 += KC) {
+    for (int64_t k0 = 0; k0 < c->k && !fused; k0 += KC) {
         int64_t kc = c->k - k0 < KC ? c->k - k0 : KC;
         for (int64_t r = 0; r < padded; r++) {
             const char *p = pa + (r * c->sam + k0 * c->sak) * ESZ[c->adt];
