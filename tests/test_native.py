@@ -359,6 +359,27 @@ def test_column_major_blocks_bit_identical(dtype: torch.dtype, n: int) -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("k", [64, 300, 1100])
+@pytest.mark.parametrize("n", [200, 520])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_row_major_and_strided_a_bit_identical(dtype: torch.dtype, n: int, k: int) -> None:
+    """A row-major A is read in place: with one segment (n = 200) its statistics and its
+    dot in one pass per row, with more (n = 520) in two; a strided A is gathered into
+    blocks first. A row's D and T must not depend on which: the same lanes, the same
+    order, K tails of 0, 12 and 44 elements past the last block of 64."""
+    a = randn(37, k, dtype=dtype, seed=46)
+    b = randn(k, n, dtype=dtype, seed=47)
+    c = product(a, b)
+    ws = native.native_weight_side(b)
+    row = native.native_check(request(layout(a, "row"), b, c, weight=ws))
+    strided = native.native_check(request(layout(a, "strided"), b, c, weight=ws))
+    assert torch.equal(row.diff, strided.diff) and torch.equal(row.threshold, strided.threshold)
+    assert bool(row.ok.all())
+    one = native.native_check(request(a[7:8], b, c[7:8], weight=ws))  # a single row too
+    assert torch.equal(one.diff, row.diff[7:8]) and torch.equal(one.threshold, row.threshold[7:8])
+
+
+@needs_native
 def test_threads_do_not_change_bits() -> None:
     """Work split over threads (forced: these shapes are below the threshold), the same
     bits as one thread."""
