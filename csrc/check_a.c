@@ -22,59 +22,47 @@ static const float ZEROS[KC];
 /* sum / max / min of a contiguous run p[0..k) of dtype dt, converted in registers, as
  * vectors for finish16: the same lane assignment and order as acc_stats over consecutive
  * KC blocks (KC is a multiple of 64), with the 12 accumulators in registers for the
- * whole run (one part at a time, lanes.h). */
-static void row_stats(const char *p, int dt, int64_t k, v16 *sum, v16 *hi, v16 *lo) {
-    int64_t esz = ESZ[dt], i = 0;
-    v16 S[4], H[4], L[4];
-    for (int pt = 0; pt < NPART; pt++) {
-        const char *ph = p + pt * PW * esz;
-        vpart s[4], h[4], l[4], v[4];
-        for (int u = 0; u < 4; u++) s[u] = psplat(0.0f), h[u] = psplat(-INFINITY), l[u] = psplat(INFINITY);
-        for (i = 0; i + 64 <= k; i += 64) {
-            pload4(ph + i * esz, dt, v);
-            pstats4(v, s, h, l);
-        }
-        for (int u = 0; u < 4; u++) pset(&S[u], pt, s[u]), pset(&H[u], pt, h[u]), pset(&L[u], pt, l[u]);
-    }
-    if (i < k) {
-        float tmp[64];
-        cvt(p + i * esz, dt, 1, k - i, tmp);
-        acc_stats(tmp, NULL, k - i, S, H, L);
-    }
-    comb_stats(S, H, L, sum, hi, lo);
-}
-
-/* row_stats of a contiguous run p[0..k) together with its dot with b[0..k) (one segment),
- * from the same loads: *dot lane q = the sum over i = q (mod 16), in i order, of p[i] *
- * b[i], as dot4 accumulates it over consecutive KC blocks (vectors of 16, then the
+ * whole run (one part at a time, lanes.h). With DOT, from the same loads, its dot with
+ * b[0..k) too (one segment): *dot lane q = the sum over i = q (mod 16), in i order, of
+ * p[i] * b[i], as dot4 accumulates it over consecutive KC blocks (vectors of 16, then the
  * scalar tail). Why: with one segment (N <= 256: the MOE gate, a small model's
- * projections) the separate dot pass read each row a second time and cost about a
- * fifth of the check. */
-static void row_stats_dot(const char *p, int dt, int64_t k, const float *b, v16 *sum, v16 *hi, v16 *lo, v16 *dot) {
+ * projections) a separate dot pass read each row a second time and cost about a fifth of
+ * the check. DOT is a constant where inlined: without it the dot compiles away. */
+static inline __attribute__((always_inline)) void row_pass(const char *p, int dt, int64_t k, int DOT,
+                                                           const float *b, v16 *sum, v16 *hi, v16 *lo, v16 *dot) {
     int64_t esz = ESZ[dt], kv = k & ~(int64_t)15, i = 0;
     v16 S[4], H[4], L[4], D;
     for (int pt = 0; pt < NPART; pt++) {
         const char *ph = p + pt * PW * esz;
-        const float *bh = b + pt * PW;
+        const float *bh = DOT ? b + pt * PW : NULL;
         vpart s[4], h[4], l[4], v[4], d = psplat(0.0f);
         for (int u = 0; u < 4; u++) s[u] = psplat(0.0f), h[u] = psplat(-INFINITY), l[u] = psplat(INFINITY);
         for (i = 0; i + 64 <= k; i += 64) {
             pload4(ph + i * esz, dt, v);
             pstats4(v, s, h, l);
-            for (int u = 0; u < 4; u++) d += v[u] * pld(bh + i + 16 * u);
+            if (DOT)
+                for (int u = 0; u < 4; u++) d += v[u] * pld(bh + i + 16 * u);
         }
-        for (int64_t j = i; j < kv; j += 16) d += pload(ph + j * esz, dt, PW) * pld(bh + j);
+        for (int64_t j = i; DOT && j < kv; j += 16) d += pload(ph + j * esz, dt, PW) * pld(bh + j);
         for (int u = 0; u < 4; u++) pset(&S[u], pt, s[u]), pset(&H[u], pt, h[u]), pset(&L[u], pt, l[u]);
         pset(&D, pt, d);
     }
-    for (int64_t j = kv; j < k; j++) D[j & 15] += ld(p, dt, j) * b[j];
     if (i < k) {
         float tmp[64];
         cvt(p + i * esz, dt, 1, k - i, tmp);
         acc_stats(tmp, NULL, k - i, S, H, L);
     }
     comb_stats(S, H, L, sum, hi, lo);
-    *dot = D;
+    if (DOT) {
+        for (int64_t j = kv; j < k; j++) D[j & 15] += ld(p, dt, j) * b[j];
+        *dot = D;
+    }
+}
+static void row_stats(const char *p, int dt, int64_t k, v16 *sum, v16 *hi, v16 *lo) {
+    row_pass(p, dt, k, 0, NULL, sum, hi, lo, NULL);
+}
+static void row_stats_dot(const char *p, int dt, int64_t k, const float *b, v16 *sum, v16 *hi, v16 *lo, v16 *dot) {
+    row_pass(p, dt, k, 1, b, sum, hi, lo, dot);
 }
 
 /* acc[r * nseg + (r & 3)] += x[r][0..kc) * b (lane i % 16, in i order) for rows r < padded,
