@@ -3,8 +3,10 @@
  *
  * For each row: sum / max / min (the row statistics the threshold and the non-finite
  * classification need) and the reference checksum A[row] . Br[:, s] of every segment,
- * from the same read of A. Row-major A (a_rows) reads each row as a contiguous run,
- * four rows per Br load, and reduces 16 rows' accumulators at once (lanes.h hsum16);
+ * from the same read of A. Row-major A (a_rows) reads each row as a contiguous run:
+ * with one segment, statistics and dot from the same loads (row_pass); with more, the
+ * statistics first and then the dots, four rows per Br load; 16 rows' accumulators are
+ * reduced at once (lanes.h hsum16);
  * column-major A (a_cols, e.g. a weight gradient grad_out.t()) reads KCC long runs of up
  * to RBC rows per block instead of hundreds of short strided ones, each vector of A
  * loaded once for the statistics and every segment's dot (cols_fused, up to 4 segments).
