@@ -1,9 +1,9 @@
 /*
- * check_a.c: the check's one pass over A, per work item of rows.
+ * check_a.c: the check's reading of A, per work item of rows.
  *
  * For each row: sum / max / min (the row statistics the threshold and the non-finite
- * classification need) and the reference checksum A[row] . Br[:, s] of every segment,
- * from the same read of A. Row-major A (a_rows) reads each row as a contiguous run:
+ * classification need) and the reference checksum A[row] . Br[:, s] of every segment.
+ * Row-major A (a_rows) reads each row as a contiguous run:
  * with one segment, statistics and dot from the same loads (row_pass); with more, the
  * statistics first and then the dots, four rows per Br load; 16 rows' accumulators are
  * reduced at once (lanes.h hsum16);
