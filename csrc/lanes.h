@@ -413,6 +413,9 @@ static inline vpmask pindex(void) {
 static inline vpart pload(const char *p, int dt, int64_t n) {
 #ifdef VABFT_AVX2
     if (n >= PW) return (vpart)ld8(p, dt);
+    if (n <= 0) return psplat(0.0f);
+    if (dt == DT_F32) /* a masked load: no store of lanes to read back whole (a stall) */
+        return (vpart)_mm256_maskload_ps((const float *)p, (__m256i)(pindex() < (int32_t)n));
     float x[PW] = {0};
     for (int64_t i = 0; i < n; i++) x[i] = ld(p, dt, i);
     return pld(x);

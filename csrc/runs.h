@@ -23,25 +23,6 @@ static inline void comb4(const v16 *a, v16 *c) {
         pset(c, pt, (pget(&a[0], pt) + pget(&a[1], pt)) + (pget(&a[2], pt) + pget(&a[3], pt)));
 }
 
-/* The last n < 16 values of a run (times r when given), padded with 0 for sums, -inf for
- * max and +inf for min. */
-static inline void tail_vals(const float *x, const float *r, int64_t n, v16 *vs, v16 *vh, v16 *vl) {
-    float a[16], b[16], c[16];
-    for (int j = 0; j < 16; j++) {
-        if (j < n) {
-            float y = r ? x[j] * r[j] : x[j];
-            a[j] = b[j] = c[j] = y;
-        } else {
-            a[j] = 0.0f;
-            b[j] = -INFINITY;
-            c[j] = INFINITY;
-        }
-    }
-    *vs = vld(a);
-    *vh = vld(b);
-    *vl = vld(c);
-}
-
 /* The sums of the run x[0..w) (dtype dt, converted in registers; times r), and of |.|
  * when A, as comb4 vectors into *S and *A: element i goes to lane i % 16 of accumulator
  * ACC(i), the four accumulators start at 0. One part at a time (lanes.h), constant
@@ -74,12 +55,10 @@ static inline __attribute__((always_inline)) void run_sum(const char *x, int dt,
             vpart v;                                                                     \
             if (n >= 16) {                                                               \
                 v = LDX(16 * (j));                                                       \
-            } else {                                                                     \
-                float y[16];                                                             \
-                v16 t, th, tl;                                                           \
-                cvt(x + (i + 16 * (j)) * esz, dt, 1, n, y);                              \
-                tail_vals(y, r ? r + i + 16 * (j) : NULL, n, &t, &th, &tl);              \
-                v = pget(&t, pt);                                                        \
+            } else { /* this part's lanes of the tail, the rest 0 (0 * 0 with r) */     \
+                int64_t o = i + 16 * (j), nh = n - pt * PW;                              \
+                v = pload(xh + o * esz, dt, nh);                                         \
+                if (r) v = v * pload((const char *)(rh + o), DT_F32, nh);               \
             }                                                                            \
             sj += v;                                                                     \
             aj += pabs(v);                                                               \
@@ -122,12 +101,13 @@ static inline __attribute__((always_inline)) void part_stats(const float *x, con
         vpart v, vh, vl;                                                                 \
         if (n >= 16) {                                                                   \
             v = vh = vl = LD(16 * (j));                                                  \
-        } else {                                                                         \
-            v16 t, th, tl;                                                               \
-            tail_vals(x + i + 16 * (j), r ? r + i + 16 * (j) : NULL, n, &t, &th, &tl);   \
-            v = pget(&t, pt);                                                            \
-            vh = pget(&th, pt);                                                          \
-            vl = pget(&tl, pt);                                                          \
+        } else { /* this part's lanes of the tail; the rest 0, -inf and +inf */         \
+            int64_t o = i + 16 * (j), nh = n - pt * PW;                                  \
+            vpmask in = pindex() < (int32_t)nh;                                          \
+            v = pload((const char *)(xh + o), DT_F32, nh);                               \
+            if (r) v = v * pload((const char *)(rh + o), DT_F32, nh);                    \
+            vh = psel(in, v, psplat(-INFINITY));                                         \
+            vl = psel(in, v, psplat(INFINITY));                                          \
         }                                                                                \
         STEP(sj, hj, lj, v, vh, vl)                                                      \
     }
