@@ -79,7 +79,10 @@ static int chk_rows(const chk_ctx *c, const scratch *w, int64_t rows, int64_t ro
         for (int pt = 0; pt < NPART && pt * PW < rows - r0; pt++) {
             int64_t rp = r0 + pt * PW, nr = rows - rp < PW ? rows - rp : PW;
             const vpmask present = lane < (int32_t)nr;
-            vpart mu = pld(w->sum + rp) / kf, hi = pld(w->hi + rp), lo = pld(w->lo + rp);
+            /* + 0: a zero max / min is +0, whichever zero a tie kept (row_pass and
+             * acc_stats group the lanes differently; only the bits of a zero differ) */
+            vpart zero = psplat(0.0f), mu = pld(w->sum + rp) / kf;
+            vpart hi = pld(w->hi + rp) + zero, lo = pld(w->lo + rp) + zero;
             vpart sd = psqrt(pabs((hi - mu) * (mu - lo))), mua = pabs(mu);
             if (nr == PW) {
                 pst(c->mu + row0 + rp, mu);

@@ -22,32 +22,49 @@
 static const float ZEROS[KC];
 
 /* sum / max / min of a contiguous run p[0..k) of dtype dt, converted in registers, as
- * vectors for finish16: the same lane assignment and order as acc_stats over consecutive
- * KC blocks (KC is a multiple of 64), with the 12 accumulators in registers for the
- * whole run (one part at a time, lanes.h). With DOT, from the same loads, its dot with
- * b[0..k) too (one segment): *dot lane q = the sum over i = q (mod 16), in i order, of
+ * vectors for finish16: the sums in the same lanes and order as acc_stats over
+ * consecutive KC blocks (KC is a multiple of 64). With DOT, from the same loads, its dot
+ * with b[0..k) too (one segment): *dot lane q = the sum over i = q (mod 16), in i order, of
  * p[i] * b[i], as dot4 accumulates it over consecutive KC blocks (vectors of 16, then the
  * scalar tail). Why: with one segment (N <= 256: the MOE gate, a small model's
  * projections) a separate dot pass read each row a second time and cost about a fifth of
- * the check. DOT is a constant where inlined: without it the dot compiles away. */
+ * the check. DOT is a constant where inlined: without it the dot compiles away.
+ *
+ * Every part is read in one pass over the row, and max / min keep one accumulator for all
+ * lanes and partials: a max or min is exact whatever the grouping (the one freedom left is
+ * which of +0 / -0 a tie keeps, and chk_rows makes every zero max / min +0). That
+ * leaves 12 accumulators with AVX2, all in registers. Before, each part had its own pass
+ * (the row read twice, the second from L1 or L2) with four max and four min accumulators,
+ * and the dot's one dependency chain per pass had nothing to overlap with: the check of
+ * a 512x4096x8 fp32 MOE gate (A in L3) took 252-308 us hot, 209-225 us now. */
 static inline __attribute__((always_inline)) void row_pass(const char *p, int dt, int64_t k, int DOT,
                                                            const float *b, v16 *sum, v16 *hi, v16 *lo, v16 *dot) {
     int64_t esz = ESZ[dt], kv = k & ~(int64_t)15, i = 0;
     v16 S[4], H[4], L[4], D;
+    vpart s[NPART][4], d[NPART], h = psplat(-INFINITY), l = psplat(INFINITY);
     for (int pt = 0; pt < NPART; pt++) {
-        const char *ph = p + pt * PW * esz;
-        const float *bh = DOT ? b + pt * PW : NULL;
-        vpart s[4], h[4], l[4], v[4], d = psplat(0.0f);
-        for (int u = 0; u < 4; u++) s[u] = psplat(0.0f), h[u] = psplat(-INFINITY), l[u] = psplat(INFINITY);
-        for (i = 0; i + 64 <= k; i += 64) {
-            pload4(ph + i * esz, dt, v);
-            pstats4(v, s, h, l);
-            if (DOT)
-                for (int u = 0; u < 4; u++) d += v[u] * pld(bh + i + 16 * u);
+        d[pt] = psplat(0.0f);
+        for (int u = 0; u < 4; u++) s[pt][u] = psplat(0.0f);
+    }
+    for (i = 0; i + 64 <= k; i += 64)
+        for (int u = 0; u < 4; u++)
+            for (int pt = 0; pt < NPART; pt++) { /* element j: lane j % 16 of partial u */
+                int64_t j = i + 16 * u + pt * PW;
+                vpart v = pload(p + j * esz, dt, PW);
+                s[pt][u] += v;
+                h = pmax(v, h); /* operands in this order: a NaN is ignored */
+                l = pmin(v, l);
+                if (DOT) d[pt] += v * pld(b + j);
+            }
+    for (int pt = 0; pt < NPART; pt++) {
+        for (int64_t j = i + pt * PW; DOT && j - pt * PW < kv; j += 16) /* full vectors past the last 64 */
+            d[pt] += pload(p + j * esz, dt, PW) * pld(b + j);
+        for (int u = 0; u < 4; u++) {
+            pset(&S[u], pt, s[pt][u]);
+            pset(&H[u], pt, u ? psplat(-INFINITY) : h);
+            pset(&L[u], pt, u ? psplat(INFINITY) : l);
         }
-        for (int64_t j = i; DOT && j < kv; j += 16) d += pload(ph + j * esz, dt, PW) * pld(bh + j);
-        for (int u = 0; u < 4; u++) pset(&S[u], pt, s[u]), pset(&H[u], pt, h[u]), pset(&L[u], pt, l[u]);
-        pset(&D, pt, d);
+        pset(&D, pt, d[pt]);
     }
     if (i < k) {
         float tmp[64];
