@@ -25,7 +25,8 @@ from .segments import _segment_constants
 
 __all__ = [
     "BufferWeightSide", "C_CONSTANTS", "Call", "DTYPE_CODE", "Prepared", "bias_args", "buffer_geometry",
-    "checksum32", "encode_at", "encoding_bytes", "layout", "prepared", "weight_reason", "weight_side_of", "ws_batch",
+    "checksum32", "encode_at", "encoding_bytes", "flat_args", "layout", "prepared", "weight_reason", "weight_side_of",
+    "ws_batch",
 ]
 
 #: dtype -> the kernel's dtype code
@@ -246,6 +247,44 @@ def bias_args(bias: Tensor | None) -> tuple[int, int, int, int]:
     return bias_v.data_ptr(), DTYPE_CODE[bias_v.dtype], sbm, sbn
 
 
+def flat_args(req: object) -> tuple | None:
+    """``ext.check``'s arguments but the three outputs and the thread count, for the
+    commonest call, or ``None`` (``Call`` and ``rejects`` take everything else): 2-D A and
+    C, a warm 2-D weight side, no checksum weight, CPU tensors of the kernels' dtypes,
+    nothing empty. The same tuple ``Call`` builds (``tests/test_native.py`` compares them).
+
+    Why a path of its own: right after a large product the caches hold none of this
+    Python, and each line costs its cache misses. A decode matmul's check spent about
+    220 us there against 90 us in the kernel; ``rejects`` and ``Call``'s general
+    bookkeeping read the same attributes twice over.
+    """
+    a, c, ws = req.a, req.c, req.weight  # type: ignore[attr-defined]
+    if ws is None or req.checksum_weight is not None or a.dim() != 2 or c.dim() != 2:  # type: ignore[attr-defined]
+        return None
+    b = req.b  # type: ignore[attr-defined]
+    adt, cdt = DTYPE_CODE.get(a.dtype), DTYPE_CODE.get(c.dtype)
+    if adt is None or cdt is None or b.dtype not in DTYPE_CODE:
+        return None
+    if a.device.type != "cpu" or c.device.type != "cpu" or b.device.type != "cpu":
+        return None
+    beta = req.beta  # type: ignore[attr-defined]
+    bias = req.bias if beta != 0.0 else None  # type: ignore[attr-defined]
+    if bias is not None and (bias.device.type != "cpu" or bias.dtype not in DTYPE_CODE):
+        return None
+    prep = prepared(ws)
+    m, n = c.shape
+    k = a.shape[1]
+    if not prep.flat or m == 0 or n == 0 or k == 0:
+        return None
+    bias_ptr, bias_dt, sbm, sbn = bias_args(bias)
+    sa, sc = a.stride(), c.stride()
+    tiny, bias_round = C_CONSTANTS[c.dtype]
+    alpha, e_eff = req.alpha, effective_e_max(req.e_max, ws.k, c.dtype)  # type: ignore[attr-defined]
+    return (m, n, k, 1, 1, a.data_ptr(), adt, 0, 0, sa[0], sa[1], c.data_ptr(), cdt, 0, 0, sc[0], sc[1],
+            bias_ptr, bias_dt, 0, 0, sbm, sbn, 0, prep.br_ptr, 0, 0, prep.sbrs, *prep.f_ptrs, 0, 0, prep.mu_scale,
+            abs(alpha) * e_eff, alpha, beta, tiny, bias_round)
+
+
 class Call:
     """One check's arguments for ``ext.check``, but for where its outputs (and a cold
     ``b``'s encoding) go: ``native_check`` gives new tensors, ``native_clear`` scratch."""
@@ -310,11 +349,9 @@ class Call:
                      alpha, beta, tiny, bias_round)
         return True
 
-    def run(self, enc: int, vals: int, rows: int, flags: int) -> tuple[bool, float]:
-        """Encode a cold ``b`` at ``enc`` (``enc_bytes``), then check into ``vals`` (D, T:
-        fp32 [2, nb, M, nseg]), ``rows`` (mean, max, min of A's rows: fp32 [3, nb, M])
-        and ``flags`` (ok, inputs bad: bool [2, nb, M, nseg]). Returns (every segment
-        passed with D and T finite, the largest D / T)."""
+    def args(self, enc: int) -> tuple:
+        """``ext.check``'s arguments but the three outputs and the thread count (a cold
+        ``b`` is encoded at ``enc`` first)."""
         if self.encode is not None:
             b, r, bb = self.encode
             self.mu_scale = encode_at(self.ext, b, r, self.threads, bb, enc)
@@ -324,5 +361,11 @@ class Call:
         else:
             br_ptr, sbrs, *factors = self.warm
         sbr0, sbr1, sf0, sf1 = self.sf
-        return self.ext.check(*self.head, br_ptr, sbr0, sbr1, sbrs, *factors, sf0, sf1, self.mu_scale, *self.tail,
-                              vals, rows, flags, self.threads)
+        return (*self.head, br_ptr, sbr0, sbr1, sbrs, *factors, sf0, sf1, self.mu_scale, *self.tail)
+
+    def run(self, enc: int, vals: int, rows: int, flags: int) -> tuple[bool, float]:
+        """Encode a cold ``b`` at ``enc`` (``enc_bytes``), then check into ``vals`` (D, T:
+        fp32 [2, nb, M, nseg]), ``rows`` (mean, max, min of A's rows: fp32 [3, nb, M])
+        and ``flags`` (ok, inputs bad: bool [2, nb, M, nseg]). Returns (every segment
+        passed with D and T finite, the largest D / T)."""
+        return self.ext.check(*self.args(enc), vals, rows, flags, self.threads)

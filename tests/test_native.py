@@ -536,6 +536,47 @@ def test_clear_check_into_scratch_agrees_with_the_full_check() -> None:
 
 
 @needs_native
+def test_flat_fast_path_builds_the_calls_arguments() -> None:
+    """``flat_args`` (the clear check's shortcut for 2-D calls with a warm weight) gives
+    exactly the arguments ``Call`` builds, for every dtype, layout and bias form it takes,
+    and declines everything else (which ``Call`` and ``rejects`` then handle)."""
+    from sdc_guard.native_call import Call, flat_args
+
+    ext = native._load()
+    taken = 0
+    for dtype in DTYPES:
+        a, w = randn(21, 70, dtype=dtype, seed=58), randn(300, 70, dtype=dtype, seed=59)
+        c = product(a, w.t())
+        ws = native.native_weight_side(w.t())
+        torch_ws = weight_side(w.t())  # another backend's encoding: Prepared.of
+        bias1, bias2 = randn(300, dtype=dtype, seed=60), randn(21, 300, dtype=dtype, seed=61)
+        for req in (
+            request(a, w.t(), c, weight=ws),
+            request(layout(a, "col"), w.t(), layout(c, "col"), weight=torch_ws),
+            request(a, w.t(), c, weight=ws, bias=bias1),
+            replace(request(a, w.t(), c, weight=ws, bias=bias2), alpha=0.5, beta=2.0),
+            replace(request(a, w.t(), c, weight=ws, bias=bias1), beta=0.0),
+            request(a, w.t(), c, weight=ws, bias=torch.tensor(0.25, dtype=dtype)),
+        ):
+            got = flat_args(req)
+            assert got is not None
+            assert got == Call.of(ext, req, 1).args(0)
+            taken += 1
+    a, w = randn(21, 70, seed=62), randn(300, 70, seed=63)
+    ab, bb = randn(3, 21, 70, seed=64), randn(70, 300, seed=65)
+    r = torch.rand(300, generator=torch.Generator().manual_seed(66)) + 0.5
+    for declined in (
+        request(a, w.t(), a @ w.t()),  # cold
+        request(a, w.t(), a @ w.t(), weight=native.native_weight_side(w.t(), r), checksum_weight=r),
+        request(ab, bb, ab @ bb, weight=native.native_weight_side(bb)),  # batched
+        GemmRequest(a.double(), w.t().double(), (a @ w.t()).double(), 1e-5, weight=weight_side(w.t().double())),
+        request(a[:0], w.t(), (a @ w.t())[:0], weight=native.native_weight_side(w.t())),  # empty
+    ):
+        assert flat_args(declined) is None
+    assert taken == 18
+
+
+@needs_native
 def test_cpu_backend_summary_locates_corruption() -> None:
     """``CpuBackend.summarize``: no mask when clear; a corrupted element gives the full
     check's mask and summary (the check is rerun in full)."""
