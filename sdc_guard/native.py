@@ -190,12 +190,14 @@ class Scratch:
 
     def pointer(self, nbytes: int) -> int:
         """The address of at least ``nbytes`` bytes, 64-byte aligned, valid until the next
-        call from this thread."""
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.numel() < nbytes + 64:
-            buf = self._local.buf = torch.empty(max(nbytes + 64, 1 << 20), dtype=torch.uint8)
-        p = buf.data_ptr()
-        return p + (-p % 64)
+        call from this thread. The address and the room are kept beside the buffer: no
+        tensor call on the way (each is a cache miss or two right after a large product)."""
+        mem = getattr(self._local, "mem", None)
+        if mem is None or mem[1] < nbytes:
+            buf = torch.empty(max(nbytes + 64, 1 << 20), dtype=torch.uint8)
+            p = buf.data_ptr()
+            mem = self._local.mem = (p + (-p % 64), buf.numel() - 64, buf)
+        return mem[0]
 
 
 def native_clear(req: object, scratch: Scratch) -> float | None:
