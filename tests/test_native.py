@@ -8,6 +8,7 @@ invariance, inputs left untouched, and the classification of non-finite values.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -377,6 +378,51 @@ def test_row_major_and_strided_a_bit_identical(dtype: torch.dtype, n: int, k: in
     assert bool(row.ok.all())
     one = native.native_check(request(a[7:8], b, c[7:8], weight=ws))  # a single row too
     assert torch.equal(one.diff, row.diff[7:8]) and torch.equal(one.threshold, row.threshold[7:8])
+
+
+@needs_native
+@pytest.mark.parametrize("n", [200, 520])
+def test_zero_row_max_and_min_are_plus_zero_in_every_layout(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """A row whose max (or min) is a zero met as both -0 and +0: which zero a tie keeps
+    depends on how a path groups the lanes (the one-segment row pass keeps one max for
+    all lanes, the strided and column-major paths four or one per row), so the kernel
+    reports every zero max / min as +0. The row statistics leave the kernel with a failed
+    check (an Inf in C), as explain_failures' arguments."""
+    import inspect
+
+    k = 300
+    a = -torch.rand(6, k, generator=torch.Generator().manual_seed(67)) - 0.5  # max < 0 ...
+    a[0, 5], a[0, 21] = -0.0, 0.0  # ... but where a zero sits: -0 first, then +0, 16 apart
+    a[1, 3], a[1, 11] = 0.0, -0.0  # +0 first, 8 apart (the other AVX2 half)
+    a[2] = 0.0
+    a[2, ::7] = -0.0  # all zeros, both signs
+    a[3] = -a[0]  # min a zero
+    a[3, 5], a[3, 21] = -0.0, 0.0
+    a[4] = -0.0  # all -0: max and min -0 in every path before the rule
+    b = randn(k, n, seed=68)
+    c = a @ b
+    c[0, 0] = float("inf")
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    explain = native.explain_failures
+
+    def capture(*args, **kwargs):
+        bound = inspect.signature(explain).bind(*args, **kwargs)
+        seen.append((bound.arguments["hi"].clone(), bound.arguments["lo"].clone()))
+        return explain(*args, **kwargs)
+
+    monkeypatch.setattr(native, "explain_failures", capture)
+    ws = native.native_weight_side(b)
+    for kind in ("row", "strided", "col"):
+        native.native_check(request(layout(a, kind), b, c, weight=ws))
+    assert len(seen) == 3
+    (hi, lo), *others = seen
+    for row in (0, 1, 2, 4):
+        assert hi.flatten()[row].item() == 0.0 and math.copysign(1.0, hi.flatten()[row].item()) == 1.0, row
+    for row in (2, 3, 4):
+        assert lo.flatten()[row].item() == 0.0 and math.copysign(1.0, lo.flatten()[row].item()) == 1.0, row
+    for other_hi, other_lo in others:  # bit for bit, signs of zeros included
+        assert torch.equal(hi.view(torch.int32), other_hi.view(torch.int32))
+        assert torch.equal(lo.view(torch.int32), other_lo.view(torch.int32))
 
 
 @needs_native
