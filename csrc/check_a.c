@@ -56,6 +56,15 @@ static inline __attribute__((always_inline)) void row_pass(const char *p, int dt
                 l = pmin(v, l);
                 if (DOT) d[pt] += v * pld(b + j);
             }
+    if (i == k) { /* no tail: comb_stats' values straight from the registers (H / L 1..3 would be -inf / +inf) */
+        for (int pt = 0; pt < NPART; pt++) {
+            pset(sum, pt, (s[pt][0] + s[pt][1]) + (s[pt][2] + s[pt][3]));
+            pset(hi, pt, h);
+            pset(lo, pt, l);
+            if (DOT) pset(dot, pt, d[pt]);
+        }
+        return;
+    }
     for (int pt = 0; pt < NPART; pt++) {
         for (int64_t j = i + pt * PW; DOT && j - pt * PW < kv; j += 16) /* full vectors past the last 64 */
             d[pt] += pload(p + j * esz, dt, PW) * pld(b + j);
