@@ -6,6 +6,7 @@ GEMM with fp32 accumulation produces, and CPU fp16 matmul is far too slow for a 
 
 import subprocess
 import sys
+import zlib
 
 import pytest
 import torch
@@ -62,7 +63,8 @@ SHAPES = ((1, 4096, 1000), (4, 1024, 300), (8, 512, 4096), (130, 256, 300), (130
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("dist", DISTRIBUTIONS)
 def test_zero_false_positives(dtype: torch.dtype, dist: str) -> None:
-    gen = torch.Generator().manual_seed(hash((str(dtype), dist)) % 2**31)
+    # A seed fixed across processes: ``hash()`` of a str changes with PYTHONHASHSEED.
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{dtype}/{dist}".encode()))
     for m, k, n in SHAPES:
         for trial in range(2):
             a = data(dist, (m, k), dtype, gen)
@@ -70,8 +72,16 @@ def test_zero_false_positives(dtype: torch.dtype, dist: str) -> None:
             c = product(a, b)
             check = vabft_check(a, b, c, e_max=default_e_max(dtype))
             assert not check.inputs_bad.any(), "test data must be finite"
-            worst = float(check.ratio.max())
-            assert bool(check.ok.all()), f"false positive: {dist} {dtype} {(m, k, n)} worst D/T={worst:.3f}"
+            ratio = check.ratio[torch.isfinite(check.ratio)]
+            worst = float(ratio.max()) if ratio.numel() else float("nan")
+            where = f"{dist} {dtype} {(m, k, n)} worst finite D/T={worst:.3f}"
+            # Cauchy data can overflow fp16 C legitimately (about 2 seeds in 100 for this
+            # test's shapes): such a segment fails its bit but must be explained as an
+            # overflow, and only a segment whose C really holds a non-finite value may be.
+            assert not check.sdc.any(), f"false positive: {where}"
+            assert bool((check.ok | check.possible_overflow).all()), f"false positive: {where}"
+            if check.possible_overflow.any():
+                assert not bool(torch.isfinite(c).all()), f"overflow claimed on a finite C: {where}"
 
 
 def test_moe_gate_fp32_zero_false_positives() -> None:
