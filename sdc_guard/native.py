@@ -218,19 +218,26 @@ def native_clear(req: object, scratch: Scratch) -> float | None:
         return None
     args = flat_args(req)
     if args is not None:
-        m, segs = args[0], args[0] * -(-args[1] // SEGMENT)
-        p = scratch.pointer(10 * segs + 12 * m)
-        all_ok, worst = ext.check(*args, p, p + 8 * segs, p + 8 * segs + 12 * m, _threads(None, False))
+        m = args[0]
+        _, *outputs = _scratch_outputs(scratch, 0, m * -(-args[1] // SEGMENT), m)
+        all_ok, worst = ext.check(*args, *outputs, _threads(None, False))
         return worst if all_ok else None
     if rejects(req) is not None:
         return None
     call = Call.of(ext, req, _threads(None, False))
     if call is None:
         return None
-    enc = call.enc_bytes + (-call.enc_bytes % 64)
-    segs, rows = call.nb * call.m * call.nseg, call.nb * call.m
-    p = scratch.pointer(enc + 10 * segs + 12 * rows)
-    all_ok, worst = call.run(p, p + enc, p + enc + 8 * segs, p + enc + 8 * segs + 12 * rows)
+    rows = call.nb * call.m
+    all_ok, worst = call.run(*_scratch_outputs(scratch, call.enc_bytes, rows * call.nseg, rows))
     return worst if all_ok else None
+
+
+def _scratch_outputs(scratch: Scratch, enc_bytes: int, segs: int, rows: int) -> tuple[int, int, int, int]:
+    """Addresses in ``scratch`` for a cold ``b``'s encoding (``enc_bytes``, 64-byte
+    aligned; 0 bytes for a warm one) and ``ext.check``'s three outputs: D and T (fp32
+    [2, segs]), A's row statistics (fp32 [3, rows]) and the flags (bool [2, segs])."""
+    enc = enc_bytes + (-enc_bytes % 64)
+    p = scratch.pointer(enc + 10 * segs + 12 * rows)
+    return p, p + enc, p + enc + 8 * segs, p + enc + 8 * segs + 12 * rows
 
 
