@@ -3,8 +3,8 @@
  *
  * chk_work runs an item: A's pass (check_a.c) and C's and the bias's segment sums
  * (check_sums.c) into the thread's scratch, then chk_rows turns them into D = |C sum -
- * reference| and the threshold T of VABFT.md per (row, segment), 16 rows per vector, and
- * the verdict D <= T. vabft_check splits the items over threads and reduces the largest
+ * reference| and the threshold T of docs/ALGORITHM.md per (row, segment), 16 rows per
+ * vector, and the verdict D <= T. vabft_check splits the items over threads and reduces the largest
  * D / T. A row's D, T and verdict go through the same lane-wise operations whichever
  * lane, item or thread it lands in (batch invariance).
  */
@@ -15,19 +15,6 @@
 #include "check.h"
 
 /* ---- lane-wise helpers of the threshold, on parts (lanes.h) ------------------------------ */
-
-static inline vpart psqrt(vpart x) { /* IEEE sqrt, lane-wise */
-#ifdef __AVX512F__
-    return (vpart)_mm512_sqrt_ps((__m512)x);
-#elif defined(VABFT_AVX2)
-    return (vpart)_mm256_sqrt_ps((__m256)x);
-#else
-    for (int j = 0; j < PW; j++) x[j] = sqrtf(x[j]);
-    return x;
-#endif
-}
-static inline vpmask pisnan(vpart x) { return x != x; }
-static inline vpmask pisinf(vpart x) { return pabs(x) == psplat(INFINITY); }
 
 /* flags[j] = 1 where lane j of m is set, else 0 (PW bytes) */
 static inline void pst_flags(uint8_t *flags, vpmask m) {
@@ -42,28 +29,29 @@ static inline void pst_flags(uint8_t *flags, vpmask m) {
 #endif
 }
 
-/* hypot(x, y) lane-wise, exact to a few ulp and without intermediate overflow:
- * m sqrt(1 + (n / m)^2) with m = max(|x|, |y|), n = min; 0 when both are 0; +inf when
- * either is infinite (even with a NaN, as C's hypot); NaN when either is NaN otherwise. */
-static inline vpart phypot(vpart x, vpart y) {
-    vpart ax = pabs(x), ay = pabs(y);
-    vpmask xgt = ax > ay;
-    vpart m = psel(xgt, ax, ay), n = psel(xgt, ay, ax);
-    vpart q = n / m;
-    vpart h = m * psqrt(psplat(1.0f) + q * q);
-    h = psel(m == psplat(0.0f), psplat(0.0f), h);
-    h = psel(pisnan(x) | pisnan(y), psplat(NAN), h);
-    return psel(pisinf(x) | pisinf(y), psplat(INFINITY), h);
+/* PW lanes of fp64: the threshold's arithmetic (docs/ALGORITHM.md, "Range") */
+typedef double vdpart __attribute__((vector_size(PW * 8)));
+
+static inline vdpart pd(vpart x) { return __builtin_convertvector(x, vdpart); }
+static inline vdpart dsplat(double x) {
+    vdpart v = {0};
+    return v + x;
+}
+static inline vdpart dsqrt(vdpart x) { /* IEEE sqrt, lane-wise (vsqrtpd: -fno-math-errno) */
+    for (int j = 0; j < PW; j++) x[j] = sqrt(x[j]);
+    return x;
 }
 
 /* D, T and the verdict of rows [0, rows) of a work item (row0: their flat index), 16
  * rows per vector, a part at a time (parts without rows skipped): every row goes through
  * the same lane-wise operations whichever lane, part and group it lands in (padding lanes
- * are computed and dropped). Stores mu / hi / lo, diff / thr / ok / zero; *worst = the
- * largest finite-verdict D / T. Returns whether every segment passed with D and T
- * finite. */
-static int chk_rows(const chk_ctx *c, const scratch *w, int64_t rows, int64_t row0, const float *fm,
-                    const float *fcm, const float *fcs, const float *fsp, float *worst_out) {
+ * are computed and dropped). T is computed in fp64 from the fp32 statistics (sd from the
+ * exact fp64 product of the Bhatia-Davis factors, the bracket's products and the hypot
+ * without any intermediate underflow or overflow) and rounded to fp32 once, to compare
+ * with the fp32 D. Stores mu / hi / lo, diff / thr / ok / zero; *worst = the largest
+ * finite-verdict D / T. Returns whether every segment passed with D and T finite. */
+static int chk_rows(const chk_ctx *c, const scratch *w, int64_t rows, int64_t row0, const double *fm,
+                    const double *fcm, const double *fcs, const double *fsp, float *worst_out) {
     int64_t nseg = c->nseg;
     const vpmask lane = pindex();
     vpmask all_ok[NPART]; /* lanes of present rows: every segment good */
@@ -73,8 +61,9 @@ static int chk_rows(const chk_ctx *c, const scratch *w, int64_t rows, int64_t ro
         worst[pt] = psplat(0.0f);
     }
     const vpart kf = psplat((float)c->k), alpha = psplat(c->alpha), beta = psplat(c->beta);
-    const vpart beta_abs = psplat(fabsf(c->beta)), bias_round = psplat(c->bias_round);
-    const vpart mu_scale = psplat(c->mu_scale), scale = psplat(c->scale), inf = psplat(INFINITY);
+    const vpart inf = psplat(INFINITY);
+    const vdpart scale = dsplat(c->scale), round = dsplat(c->round);
+    const vdpart bias_round = dsplat((double)c->bias_round * fabs((double)c->beta));
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         for (int pt = 0; pt < NPART && pt * PW < rows - r0; pt++) {
             int64_t rp = r0 + pt * PW, nr = rows - rp < PW ? rows - rp : PW;
@@ -83,7 +72,12 @@ static int chk_rows(const chk_ctx *c, const scratch *w, int64_t rows, int64_t ro
              * acc_stats group the lanes differently; only the bits of a zero differ) */
             vpart zero = psplat(0.0f), mu = pld(w->sum + rp) / kf;
             vpart hi = pld(w->hi + rp) + zero, lo = pld(w->lo + rp) + zero;
-            vpart sd = psqrt(pabs((hi - mu) * (mu - lo))), mua = pabs(mu);
+            vdpart mu64 = pd(mu), var = (pd(hi) - mu64) * (mu64 - pd(lo)), mua = mu64;
+            for (int j = 0; j < PW; j++) { /* a mean rounded past max or min makes the product negative */
+                var[j] = fabs(var[j]);
+                mua[j] = fabs(mua[j]);
+            }
+            vdpart sd = dsqrt(var);
             if (nr == PW) {
                 pst(c->mu + row0 + rp, mu);
                 pst(c->hi + row0 + rp, hi);
@@ -95,18 +89,18 @@ static int chk_rows(const chk_ctx *c, const scratch *w, int64_t rows, int64_t ro
                     c->lo[row0 + rp + j] = lo[j];
                 }
             }
-            vpart mus = mua * mu_scale;
             for (int64_t s = 0; s < nseg; s++) {
                 int64_t q = s * RBMAX + rp;
-                vpart ref = pld(w->ref + q) * alpha, floor = psplat(w->floor[s]);
+                vpart ref = pld(w->ref + q) * alpha;
+                vdpart floor = dsplat((double)seg_width(c->n, s) * c->floor);
                 if (c->bias) {
                     ref = ref + beta * pld(w->bsum + q);
-                    floor = floor + bias_round * (pld(w->babs + q) * beta_abs);
+                    floor = floor + bias_round * pd(pld(w->babs + q));
                 }
-                vpart bracket = mus * psplat(fm[s]);
-                bracket = bracket + phypot(mua * psplat(fcm[s]), sd * psplat(fcs[s]));
-                bracket = bracket + sd * psplat(fsp[s]);
-                vpart t = floor + scale * bracket;
+                vdpart x = mua * dsplat(fcm[s]), y = sd * dsplat(fcs[s]);
+                vdpart bracket = mua * dsplat(fm[s]) + dsqrt(x * x + y * y) + sd * dsplat(fsp[s]);
+                vdpart t64 = floor + scale * bracket + round * pd(pld(w->rabs + q));
+                vpart t = __builtin_convertvector(t64, vpart);
                 vpart d = pabs(pld(w->csum + q) - ref);
                 vpmask okv = (d <= t) & (d < inf);
                 vpmask good = okv & (pabs(t) < inf);
@@ -151,31 +145,29 @@ static int chk_work(void *vctx, int64_t i0, int64_t i1) {
     scratch w;
     int64_t nseg = c->nseg;
     size_t per = (size_t)RBMAX * nseg * sizeof(float);
-    char *mem = (char *)aligned_alloc(64, ABUF * 4 + SEG * 16 * 4 + ACCN * nseg * sizeof(v16) + 32 * nseg * sizeof(v16) + 4 * per + nseg * sizeof(float) + 256);
+    char *mem = (char *)aligned_alloc(64, ABUF * 4 + SEG * 16 * 4 + 2 * ACCN * nseg * sizeof(v16) + 32 * nseg * sizeof(v16) + 5 * per + 256);
     if (!mem) return -1;
     w.abuf = (float *)mem;
     w.cbuf = w.abuf + ABUF;
     w.acc = (v16 *)(w.cbuf + SEG * 16);
-    w.xvec = w.acc + ACCN * nseg;
+    w.acca = w.acc + ACCN * nseg;
+    w.xvec = w.acca + ACCN * nseg;
     w.ref = (float *)(w.xvec + 32 * nseg);
-    w.csum = w.ref + RBMAX * nseg;
+    w.rabs = w.ref + RBMAX * nseg;
+    w.csum = w.rabs + RBMAX * nseg;
     w.bsum = w.csum + RBMAX * nseg;
     w.babs = w.bsum + RBMAX * nseg;
     int all_ok = 1;
-    /* n_s * tiny(C) is subnormal for fp32 / bf16 C: computed once per segment here, as a
-     * subnormal product costs a microcode assist per (row, segment) */
-    w.floor = w.babs + RBMAX * nseg;
-    for (int64_t s = 0; s < nseg; s++) w.floor[s] = (float)seg_width(c->n, s) * c->tiny;
     for (int64_t it = i0; it < i1; it++) {
         int64_t bi = it / c->items_per_batch, m0 = (it % c->items_per_batch) * c->rb;
         int64_t b0 = bi / c->nb1, b1 = bi % c->nb1;
         int64_t rows = c->m - m0 < c->rb ? c->m - m0 : c->rb;
         const char *pa = c->a + (b0 * c->sa0 + b1 * c->sa1 + m0 * c->sam) * ESZ[c->adt];
-        const float *br = c->br + b0 * c->sbr0 + b1 * c->sbr1;
+        const float *br = c->br + b0 * c->sbr0 + b1 * c->sbr1, *babs = c->babs + b0 * c->sbr0 + b1 * c->sbr1;
         if (c->acols) {
-            vabft_a_cols(c, pa, rows, br, w.abuf, w.acc, w.sum, w.hi, w.lo, w.ref);
+            vabft_a_cols(c, pa, rows, br, babs, w.abuf, w.acc, w.acca, w.sum, w.hi, w.lo, w.ref, w.rabs);
         } else {
-            vabft_a_rows(c, pa, rows, br, w.abuf, w.acc, w.sum, w.hi, w.lo, w.ref);
+            vabft_a_rows(c, pa, rows, br, babs, w.abuf, w.acc, w.acca, w.sum, w.hi, w.lo, w.ref, w.rabs);
         }
         const char *pc = c->c + (b0 * c->sc0 + b1 * c->sc1 + m0 * c->scm) * ESZ[c->cdt];
         vabft_x_block(c, &w, pc, c->cdt, c->scm, c->scn, rows, w.csum, NULL);
@@ -187,13 +179,14 @@ static int chk_work(void *vctx, int64_t i0, int64_t i1) {
         for (int64_t r = rows; r < ((rows + 15) & ~(int64_t)15); r++) {
             w.sum[r] = w.hi[r] = w.lo[r] = 0.0f;
             for (int64_t s = 0; s < nseg; s++)
-                w.ref[s * RBMAX + r] = w.csum[s * RBMAX + r] = w.bsum[s * RBMAX + r] = w.babs[s * RBMAX + r] = 0.0f;
+                w.ref[s * RBMAX + r] = w.rabs[s * RBMAX + r] = w.csum[s * RBMAX + r] = w.bsum[s * RBMAX + r] =
+                    w.babs[s * RBMAX + r] = 0.0f;
         }
         /* NaN in a row of A: max / min are NaN (torch semantics), found by a rescan */
         for (int64_t r = 0; r < rows; r++)
             if (isnan(w.sum[r]) && has_nan(pa + r * c->sam * ESZ[c->adt], c->adt, c->sak, c->k)) w.hi[r] = w.lo[r] = NAN;
-        const float *fm = c->fm + b0 * c->sf0 + b1 * c->sf1, *fcm = c->fcm + b0 * c->sf0 + b1 * c->sf1;
-        const float *fcs = c->fcs + b0 * c->sf0 + b1 * c->sf1, *fsp = c->fsp + b0 * c->sf0 + b1 * c->sf1;
+        const double *fm = c->fm + b0 * c->sf0 + b1 * c->sf1, *fcm = c->fcm + b0 * c->sf0 + b1 * c->sf1;
+        const double *fcs = c->fcs + b0 * c->sf0 + b1 * c->sf1, *fsp = c->fsp + b0 * c->sf0 + b1 * c->sf1;
         int64_t row0 = bi * c->m + m0;
         int ok_all = chk_rows(c, &w, rows, row0, fm, fcm, fcs, fsp, &c->worst[it]);
         all_ok = all_ok && ok_all;

@@ -27,19 +27,19 @@ _Static_assert(RBC <= RBMAX && RBC % 16 == 0 && KCC % 16 == 0, "column-major blo
 typedef struct {
     float *abuf;  /* ABUF: a converted block of A (KC * RB, or KCC * RBC) */
     float *cbuf;  /* SEG * 16 */
-    v16 *acc;     /* ACCN * nseg */
+    v16 *acc, *acca; /* ACCN * nseg each: the dots with Br and with Babs */
     v16 *xvec;    /* 2 * 16 * nseg: per-run vectors of the segment sums of C and the bias */
-    float *ref, *csum, *bsum, *babs; /* [nseg][RBMAX] each: segment s of row r at s * RBMAX + r */
-    float *floor;                    /* nseg */
+    float *ref, *rabs, *csum, *bsum, *babs; /* [nseg][RBMAX] each: segment s of row r at s * RBMAX + r */
     float sum[RBMAX], hi[RBMAX], lo[RBMAX];
 } scratch;
 
-/* check_a.c: sum / max / min of each of `rows` rows of A at pa, and ref[s * RBMAX + r] =
- * A[r] . Br[:, s]; row-major / strided A (rows <= RB) or column-major A (rows <= RBC). */
-void vabft_a_rows(const chk_ctx *c, const char *pa, int64_t rows, const float *br, float *buf, v16 *acc,
-                  float *sum, float *hi, float *lo, float *ref);
-void vabft_a_cols(const chk_ctx *c, const char *pa, int64_t rows, const float *br, float *buf, v16 *acc,
-                  float *sum, float *hi, float *lo, float *ref);
+/* check_a.c: sum / max / min of each of `rows` rows of A at pa, ref[s * RBMAX + r] =
+ * A[r] . Br[:, s] and rabs[s * RBMAX + r] = |A[r]| . Babs[:, s]; row-major / strided A
+ * (rows <= RB) or column-major A (rows <= RBC). */
+void vabft_a_rows(const chk_ctx *c, const char *pa, int64_t rows, const float *br, const float *babs, float *buf,
+                  v16 *acc, v16 *acca, float *sum, float *hi, float *lo, float *ref, float *rabs);
+void vabft_a_cols(const chk_ctx *c, const char *pa, int64_t rows, const float *br, const float *babs, float *buf,
+                  v16 *acc, v16 *acca, float *sum, float *hi, float *lo, float *ref, float *rabs);
 
 /* check_sums.c: segment sums of `rows` rows of X (C or the bias) into out[s * RBMAX + r],
  * and of |X| into aout when given */

@@ -2,7 +2,8 @@
  * check_a.c: the check's reading of A, per work item of rows.
  *
  * For each row: sum / max / min (the row statistics the threshold and the non-finite
- * classification need) and the reference checksum A[row] . Br[:, s] of every segment.
+ * classification need), the reference checksum A[row] . Br[:, s] of every segment and
+ * |A[row]| . Babs[:, s], the magnitude C's rounding term follows.
  * Row-major A (a_rows) reads each row as a contiguous run:
  * with one segment, statistics and dot from the same loads (row_pass); with more, the
  * statistics first and then the dots, four rows per Br load; 16 rows' accumulators are
@@ -48,12 +49,13 @@ static const float ZEROS[KC];
  * and the dot's one dependency chain per pass had nothing to overlap with: the check of
  * a 512x4096x8 fp32 MOE gate (A in L3) took 252-308 us hot, 209-225 us now. */
 static inline __attribute__((always_inline)) void row_pass(const char *p, int dt, int64_t k, int DOT,
-                                                           const float *b, v16 *sum, v16 *hi, v16 *lo, v16 *dot) {
+                                                           const float *b, const float *ba, v16 *sum, v16 *hi,
+                                                           v16 *lo, v16 *dot, v16 *dota) {
     int64_t esz = ESZ[dt], kv = k & ~(int64_t)15, i = 0;
-    v16 S[4], H[4], L[4], D;
-    vpart s[NPART][4], d[NPART], h = psplat(-INFINITY), l = psplat(INFINITY);
+    v16 S[4], H[4], L[4], D, DA;
+    vpart s[NPART][4], d[NPART], da[NPART], h = psplat(-INFINITY), l = psplat(INFINITY);
     for (int pt = 0; pt < NPART; pt++) {
-        d[pt] = psplat(0.0f);
+        d[pt] = da[pt] = psplat(0.0f);
         for (int u = 0; u < 4; u++) s[pt][u] = psplat(0.0f);
     }
     for (i = 0; i + 64 <= k; i += 64) {
@@ -66,7 +68,10 @@ static inline __attribute__((always_inline)) void row_pass(const char *p, int dt
                 s[pt][u] += v;
                 h = pmax(v, h); /* operands in this order: a NaN is ignored */
                 l = pmin(v, l);
-                if (DOT) d[pt] += v * pld(b + j);
+                if (DOT) {
+                    d[pt] += v * pld(b + j);
+                    da[pt] += pabs(v) * pld(ba + j);
+                }
             }
     }
     if (i == k) { /* no tail: comb_stats' values straight from the registers (H / L 1..3 would be -inf / +inf) */
@@ -74,19 +79,23 @@ static inline __attribute__((always_inline)) void row_pass(const char *p, int dt
             pset(sum, pt, (s[pt][0] + s[pt][1]) + (s[pt][2] + s[pt][3]));
             pset(hi, pt, h);
             pset(lo, pt, l);
-            if (DOT) pset(dot, pt, d[pt]);
+            if (DOT) pset(dot, pt, d[pt]), pset(dota, pt, da[pt]);
         }
         return;
     }
     for (int pt = 0; pt < NPART; pt++) {
-        for (int64_t j = i + pt * PW; DOT && j - pt * PW < kv; j += 16) /* full vectors past the last 64 */
-            d[pt] += pload(p + j * esz, dt, PW) * pld(b + j);
+        for (int64_t j = i + pt * PW; DOT && j - pt * PW < kv; j += 16) { /* full vectors past the last 64 */
+            vpart v = pload(p + j * esz, dt, PW);
+            d[pt] += v * pld(b + j);
+            da[pt] += pabs(v) * pld(ba + j);
+        }
         for (int u = 0; u < 4; u++) {
             pset(&S[u], pt, s[pt][u]);
             pset(&H[u], pt, u ? psplat(-INFINITY) : h);
             pset(&L[u], pt, u ? psplat(INFINITY) : l);
         }
         pset(&D, pt, d[pt]);
+        pset(&DA, pt, da[pt]);
     }
     if (i < k) {
         float tmp[64];
@@ -95,22 +104,29 @@ static inline __attribute__((always_inline)) void row_pass(const char *p, int dt
     }
     comb_stats(S, H, L, sum, hi, lo);
     if (DOT) {
-        for (int64_t j = kv; j < k; j++) D[j & 15] += ld(p, dt, j) * b[j];
+        for (int64_t j = kv; j < k; j++) {
+            float x = ld(p, dt, j);
+            D[j & 15] += x * b[j];
+            DA[j & 15] += fabsf(x) * ba[j];
+        }
         *dot = D;
+        *dota = DA;
     }
 }
 static void row_stats(const char *p, int dt, int64_t k, v16 *sum, v16 *hi, v16 *lo) {
-    row_pass(p, dt, k, 0, NULL, sum, hi, lo, NULL);
+    row_pass(p, dt, k, 0, NULL, NULL, sum, hi, lo, NULL, NULL);
 }
-static void row_stats_dot(const char *p, int dt, int64_t k, const float *b, v16 *sum, v16 *hi, v16 *lo, v16 *dot) {
-    row_pass(p, dt, k, 1, b, sum, hi, lo, dot);
+static void row_stats_dot(const char *p, int dt, int64_t k, const float *b, const float *ba, v16 *sum, v16 *hi,
+                          v16 *lo, v16 *dot, v16 *dota) {
+    row_pass(p, dt, k, 1, b, ba, sum, hi, lo, dot, dota);
 }
 
 /* acc[r * nseg + (r & 3)] += x[r][0..kc) * b (lane i % 16, in i order) for rows r < padded,
- * four rows per Br load; x[r] holds dtype dt (a constant where inlined). Every dtype
- * converts to the same fp32 values, so a row's arithmetic does not depend on dt here. */
-static inline __attribute__((always_inline)) void dot4(const char *const *x, int dt, const float *b, int64_t kc,
-                                                       int64_t padded, v16 *acc, int64_t nseg) {
+ * four rows per Br load; |x[r]| when ABS (for |A| @ Babs); x[r] holds dtype dt (a
+ * constant where inlined). Every dtype converts to the same fp32 values, so a row's
+ * arithmetic does not depend on dt here. */
+static inline __attribute__((always_inline)) void dot4(const char *const *x, int dt, int ABS, const float *b,
+                                                       int64_t kc, int64_t padded, v16 *acc, int64_t nseg) {
     int64_t kv = kc & ~(int64_t)15, esz = ESZ[dt];
     for (int64_t r = 0; r < padded; r += 4) {
         const char *x0 = x[r], *x1 = x[r + 1], *x2 = x[r + 2], *x3 = x[r + 3];
@@ -122,29 +138,33 @@ static inline __attribute__((always_inline)) void dot4(const char *const *x, int
             for (int pt = 0; pt < NPART; pt++) { /* both parts per step: 8 independent chains with AVX2 */
                 int64_t j = i + pt * PW;
                 vpart bv = pld(b + j);
-                a0[pt] += pload(x0 + j * esz, dt, PW) * bv;
-                a1[pt] += pload(x1 + j * esz, dt, PW) * bv;
-                a2[pt] += pload(x2 + j * esz, dt, PW) * bv;
-                a3[pt] += pload(x3 + j * esz, dt, PW) * bv;
+#define XV(xr) (ABS ? pabs(pload(xr + j * esz, dt, PW)) : pload(xr + j * esz, dt, PW))
+                a0[pt] += XV(x0) * bv;
+                a1[pt] += XV(x1) * bv;
+                a2[pt] += XV(x2) * bv;
+                a3[pt] += XV(x3) * bv;
+#undef XV
             }
         for (int pt = 0; pt < NPART; pt++)
             pset(&a[0], pt, a0[pt]), pset(&a[1], pt, a1[pt]), pset(&a[2], pt, a2[pt]), pset(&a[3], pt, a3[pt]);
         for (int64_t i = kv; i < kc; i++) {
             int q = (int)(i & 15);
-            a[0][q] += ld(x0, dt, i) * b[i];
-            a[1][q] += ld(x1, dt, i) * b[i];
-            a[2][q] += ld(x2, dt, i) * b[i];
-            a[3][q] += ld(x3, dt, i) * b[i];
+#define XS(xr) (ABS ? fabsf(ld(xr, dt, i)) : ld(xr, dt, i))
+            a[0][q] += XS(x0) * b[i];
+            a[1][q] += XS(x1) * b[i];
+            a[2][q] += XS(x2) * b[i];
+            a[3][q] += XS(x3) * b[i];
+#undef XS
         }
     }
 }
 
 /* R <= 16 rows of A, each contiguous after conversion (row-major, or gathered): sum / max
- * / min of each row and A[row] . Br[:, s]. Rows go through the dot four at a time (each
- * Br load serves four rows; absent rows read zeros), but each row's arithmetic is its
- * own: lane k % 16 of one accumulator per (row, segment), in k order. */
-void vabft_a_rows(const chk_ctx *c, const char *pa, int64_t rows, const float *br, float *buf, v16 *acc,
-                  float *sum, float *hi, float *lo, float *ref) {
+ * / min of each row, A[row] . Br[:, s] and |A[row]| . Babs[:, s]. Rows go through the dot
+ * four at a time (each Br load serves four rows; absent rows read zeros), but each row's
+ * arithmetic is its own: lane k % 16 of one accumulator per (row, segment), in k order. */
+void vabft_a_rows(const chk_ctx *c, const char *pa, int64_t rows, const float *br, const float *babs, float *buf,
+                  v16 *acc, v16 *acca, float *sum, float *hi, float *lo, float *ref, float *rabs) {
     int64_t nseg = c->nseg, padded = (rows + 3) & ~(int64_t)3;
     /* contiguous rows: the statistics in one pass per row, accumulators in registers;
      * strided rows: per block of K from the gathered copy. Either way each row ends as
@@ -153,10 +173,12 @@ void vabft_a_rows(const chk_ctx *c, const char *pa, int64_t rows, const float *b
     v16 s[RB][4], h[RB][4], l[RB][4], vs[16], vh[16], vl[16];
     for (int64_t r = rows; r < 16; r++) vs[r] = vh[r] = vl[r] = splat(0.0f);
     memset(acc, 0, sizeof(v16) * padded * nseg);
-    int fused = contig && nseg == 1; /* one segment: its dot in the statistics' pass */
+    memset(acca, 0, sizeof(v16) * padded * nseg);
+    int fused = contig && nseg == 1; /* one segment: its dots in the statistics' pass */
     if (fused) {
         for (int64_t r = 0; r < rows; r++)
-            row_stats_dot(pa + r * c->sam * ESZ[c->adt], c->adt, c->k, br, &vs[r], &vh[r], &vl[r], &acc[r]);
+            row_stats_dot(pa + r * c->sam * ESZ[c->adt], c->adt, c->k, br, babs, &vs[r], &vh[r], &vl[r], &acc[r],
+                          &acca[r]);
     } else if (contig) {
         for (int64_t r = 0; r < rows; r++)
             row_stats(pa + r * c->sam * ESZ[c->adt], c->adt, c->k, &vs[r], &vh[r], &vl[r]);
@@ -184,14 +206,18 @@ void vabft_a_rows(const chk_ctx *c, const char *pa, int64_t rows, const float *b
         if (!contig)
             for (int64_t r = 0; r < rows; r++) acc_stats((const float *)x[r], NULL, kc, s[r], h[r], l[r]);
         for (int64_t sg = 0; sg < nseg; sg++) {
-            const float *b = br + sg * c->sbrs + k0;
-            v16 *a = acc + 4 * sg;
-            if (xdt == DT_F32)
-                dot4(x, DT_F32, b, kc, padded, a, nseg);
-            else if (xdt == DT_BF16)
-                dot4(x, DT_BF16, b, kc, padded, a, nseg);
-            else
-                dot4(x, DT_F16, b, kc, padded, a, nseg);
+            const float *b = br + sg * c->sbrs + k0, *ba = babs + sg * c->sbrs + k0;
+            v16 *a = acc + 4 * sg, *aa = acca + 4 * sg;
+            if (xdt == DT_F32) {
+                dot4(x, DT_F32, 0, b, kc, padded, a, nseg);
+                dot4(x, DT_F32, 1, ba, kc, padded, aa, nseg);
+            } else if (xdt == DT_BF16) {
+                dot4(x, DT_BF16, 0, b, kc, padded, a, nseg);
+                dot4(x, DT_BF16, 1, ba, kc, padded, aa, nseg);
+            } else {
+                dot4(x, DT_F16, 0, b, kc, padded, a, nseg);
+                dot4(x, DT_F16, 1, ba, kc, padded, aa, nseg);
+            }
         }
     }
     if (!contig)
@@ -201,7 +227,10 @@ void vabft_a_rows(const chk_ctx *c, const char *pa, int64_t rows, const float *b
             sum[r] = hsum(vs[r]);
             hi[r] = hmax(vh[r]);
             lo[r] = hmin(vl[r]);
-            for (int64_t sg = 0; sg < nseg; sg++) ref[sg * RBMAX + r] = hsum(acc[4 * sg + r]);
+            for (int64_t sg = 0; sg < nseg; sg++) {
+                ref[sg * RBMAX + r] = hsum(acc[4 * sg + r]);
+                rabs[sg * RBMAX + r] = hsum(acca[4 * sg + r]);
+            }
         }
         return;
     }
@@ -209,6 +238,8 @@ void vabft_a_rows(const chk_ctx *c, const char *pa, int64_t rows, const float *b
     for (int64_t sg = 0; sg < nseg; sg++) {
         for (int64_t r = 0; r < rows; r++) vs[r] = acc[(r & ~(int64_t)3) * nseg + 4 * sg + (r & 3)];
         vst(ref + sg * RBMAX, hsum16(vs));
+        for (int64_t r = 0; r < rows; r++) vs[r] = acca[(r & ~(int64_t)3) * nseg + 4 * sg + (r & 3)];
+        vst(rabs + sg * RBMAX, hsum16(vs));
     }
 }
 
@@ -218,23 +249,24 @@ void vabft_a_rows(const chk_ctx *c, const char *pa, int64_t rows, const float *b
  * order as the unfused loops of vabft_a_cols (per block of 16 k: four interleaved
  * partials, then into the total). */
 static inline __attribute__((always_inline)) void cols_fused(const float *x, int64_t ld, int64_t kc,
-                                                             const float *b, int64_t sbrs, int NS, int ST, int pt,
-                                                             v16 *t, v16 *hg, v16 *lg, v16 *acc) {
+                                                             const float *b, int64_t sbrs, int NS, int ST, int ABS,
+                                                             int pt, v16 *t, v16 *hg, v16 *lg, v16 *acc) {
     vpart tt = pget(t, pt), hh = pget(hg, pt), ll = pget(lg, pt), a[4];
     for (int s = 0; s < NS; s++) a[s] = pget(&acc[s], pt);
     for (int64_t q0 = 0; q0 < kc; q0 += 16) {
         int64_t q1 = q0 + 16 < kc ? q0 + 16 : kc;
         vpart p0 = psplat(0.0f), p1 = p0, p2 = p0, p3 = p0, d0[4], d1[4], d2[4], d3[4];
         for (int s = 0; s < NS; s++) d0[s] = d1[s] = d2[s] = d3[s] = psplat(0.0f);
-#define FUSED(u, q)                                                               \
-    {                                                                             \
-        vpart v = pld(x + ld * (q));                                              \
-        if (ST) {                                                                 \
-            p##u += v;                                                            \
-            hh = pmax(v, hh);                                                     \
-            ll = pmin(v, ll);                                                     \
-        }                                                                         \
-        for (int s = 0; s < NS; s++) d##u[s] += v * psplat(b[s * sbrs + (q)]); \
+#define FUSED(u, q)                                                                \
+    {                                                                              \
+        vpart v = pld(x + ld * (q));                                               \
+        if (ST) {                                                                  \
+            p##u += v;                                                             \
+            hh = pmax(v, hh);                                                      \
+            ll = pmin(v, ll);                                                      \
+        }                                                                          \
+        vpart vd = ABS ? pabs(v) : v;                                              \
+        for (int s = 0; s < NS; s++) d##u[s] += vd * psplat(b[s * sbrs + (q)]); \
     }
         FOUR_PARTIALS(FUSED, q0, q1)
 #undef FUSED
@@ -249,18 +281,28 @@ static inline __attribute__((always_inline)) void cols_fused(const float *x, int
     for (int s = 0; s < NS; s++) pset(&acc[s], pt, a[s]);
 }
 
-/* cols_fused for ns <= 4 segments from b (and the statistics when st), one variant each */
+/* cols_fused for ns <= 4 segments from b (and the statistics when st; |A| when abs, for
+ * |A| @ Babs), one variant each */
 static void cols_chunk(const float *x, int64_t ld, int64_t kc, const float *b, int64_t sbrs, int64_t ns, int st,
-                       int pt, v16 *t, v16 *hg, v16 *lg, v16 *acc) {
+                       int abs, int pt, v16 *t, v16 *hg, v16 *lg, v16 *acc) {
+    if (abs) {
+        switch (ns) {
+        case 1: cols_fused(x, ld, kc, b, sbrs, 1, 0, 1, pt, t, hg, lg, acc); break;
+        case 2: cols_fused(x, ld, kc, b, sbrs, 2, 0, 1, pt, t, hg, lg, acc); break;
+        case 3: cols_fused(x, ld, kc, b, sbrs, 3, 0, 1, pt, t, hg, lg, acc); break;
+        default: cols_fused(x, ld, kc, b, sbrs, 4, 0, 1, pt, t, hg, lg, acc); break;
+        }
+        return;
+    }
     switch (ns * 2 + !!st) {
-    case 2: cols_fused(x, ld, kc, b, sbrs, 1, 0, pt, t, hg, lg, acc); break;
-    case 3: cols_fused(x, ld, kc, b, sbrs, 1, 1, pt, t, hg, lg, acc); break;
-    case 4: cols_fused(x, ld, kc, b, sbrs, 2, 0, pt, t, hg, lg, acc); break;
-    case 5: cols_fused(x, ld, kc, b, sbrs, 2, 1, pt, t, hg, lg, acc); break;
-    case 6: cols_fused(x, ld, kc, b, sbrs, 3, 0, pt, t, hg, lg, acc); break;
-    case 7: cols_fused(x, ld, kc, b, sbrs, 3, 1, pt, t, hg, lg, acc); break;
-    case 8: cols_fused(x, ld, kc, b, sbrs, 4, 0, pt, t, hg, lg, acc); break;
-    default: cols_fused(x, ld, kc, b, sbrs, 4, 1, pt, t, hg, lg, acc); break;
+    case 2: cols_fused(x, ld, kc, b, sbrs, 1, 0, 0, pt, t, hg, lg, acc); break;
+    case 3: cols_fused(x, ld, kc, b, sbrs, 1, 1, 0, pt, t, hg, lg, acc); break;
+    case 4: cols_fused(x, ld, kc, b, sbrs, 2, 0, 0, pt, t, hg, lg, acc); break;
+    case 5: cols_fused(x, ld, kc, b, sbrs, 2, 1, 0, pt, t, hg, lg, acc); break;
+    case 6: cols_fused(x, ld, kc, b, sbrs, 3, 0, 0, pt, t, hg, lg, acc); break;
+    case 7: cols_fused(x, ld, kc, b, sbrs, 3, 1, 0, pt, t, hg, lg, acc); break;
+    case 8: cols_fused(x, ld, kc, b, sbrs, 4, 0, 0, pt, t, hg, lg, acc); break;
+    default: cols_fused(x, ld, kc, b, sbrs, 4, 1, 0, pt, t, hg, lg, acc); break;
     }
 }
 
@@ -280,8 +322,8 @@ static void cols_chunk(const float *x, int64_t ld, int64_t kc, const float *b, i
  * per group and chunk of 4 (cols_fused); more, a pass for the statistics and one per
  * segment. Groups run a part at a time (parts without rows skipped). A row's arithmetic
  * depends neither on R, on its group, its part nor on the path. */
-void vabft_a_cols(const chk_ctx *c, const char *pa, int64_t rows, const float *br, float *buf, v16 *acc,
-                  float *sum, float *hi, float *lo, float *ref) {
+void vabft_a_cols(const chk_ctx *c, const char *pa, int64_t rows, const float *br, const float *babs, float *buf,
+                  v16 *acc, v16 *acca, float *sum, float *hi, float *lo, float *ref, float *rabs) {
     /* c's fields in locals: the stores into buf and acc could alias *c, and reloading them
      * in the loops (the dtype test of load16 in particular) costs ~10 % of the pass */
     const int adt = c->adt;
@@ -293,6 +335,7 @@ void vabft_a_cols(const chk_ctx *c, const char *pa, int64_t rows, const float *b
         l[g] = splat(INFINITY);
     }
     memset(acc, 0, sizeof(v16) * ng * nseg);
+    memset(acca, 0, sizeof(v16) * ng * nseg);
     /* fp32 is read in place (ld: the distance between consecutive k) when the rows fill
      * whole vectors; bf16 / fp16 and a partial last vector go through buf[q][RBC], a
      * block at a time */
@@ -309,11 +352,15 @@ void vabft_a_cols(const chk_ctx *c, const char *pa, int64_t rows, const float *b
         for (int64_t g = 0; g < ng; g++) {
             for (int pt = 0; pt < NPART && 16 * g + pt * PW < rows; pt++) {
                 const float *x = xb + 16 * g + pt * PW;
-                v16 *a = acc + g * nseg;
+                v16 *a = acc + g * nseg, *aa = acca + g * nseg;
                 if (nseg <= 4 || ALL_CHUNKS) {
-                    for (int64_t s0 = 0; s0 < nseg; s0 += 4)
-                        cols_chunk(x, ld, kc, br + s0 * sbrs + k0, sbrs, nseg - s0 < 4 ? nseg - s0 : 4, s0 == 0, pt,
-                                   &tot[g], &h[g], &l[g], a + s0);
+                    for (int64_t s0 = 0; s0 < nseg; s0 += 4) {
+                        int64_t ns = nseg - s0 < 4 ? nseg - s0 : 4;
+                        cols_chunk(x, ld, kc, br + s0 * sbrs + k0, sbrs, ns, s0 == 0, 0, pt, &tot[g], &h[g], &l[g],
+                                   a + s0);
+                        cols_chunk(x, ld, kc, babs + s0 * sbrs + k0, sbrs, ns, 0, 1, pt, &tot[g], &h[g], &l[g],
+                                   aa + s0);
+                    }
                     continue;
                 }
                 vpart t = pget(&tot[g], pt), hg = pget(&h[g], pt), lg = pget(&l[g], pt);
@@ -340,25 +387,29 @@ void vabft_a_cols(const chk_ctx *c, const char *pa, int64_t rows, const float *b
                 pset(&tot[g], pt, t);
                 pset(&h[g], pt, hg);
                 pset(&l[g], pt, lg);
-                for (int64_t sg = 0; sg < nseg; sg++) {
-                    const float *b = br + sg * sbrs + k0;
-                    vpart as = pget(&a[sg], pt);
+                for (int64_t sg = 0; sg < 2 * nseg; sg++) { /* A @ Br, then |A| @ Babs */
+                    int abs = sg >= nseg;
+                    const float *b = (abs ? babs : br) + (sg % nseg) * sbrs + k0;
+                    v16 *dst = abs ? &aa[sg - nseg] : &a[sg];
+                    vpart as = pget(dst, pt);
+#define XQ(q) (abs ? pabs(pld(x + ld * (q))) : pld(x + ld * (q)))
                     for (int64_t q0 = 0; q0 < kc; q0 += 16) {
                         int64_t q1 = q0 + 16 < kc ? q0 + 16 : kc;
                         vpart p0 = psplat(0.0f), p1 = p0, p2 = p0, p3 = p0;
                         int64_t q = q0;
                         for (; q + 4 <= q1; q += 4) {
-                            p0 += pld(x + ld * q) * psplat(b[q]);
-                            p1 += pld(x + ld * (q + 1)) * psplat(b[q + 1]);
-                            p2 += pld(x + ld * (q + 2)) * psplat(b[q + 2]);
-                            p3 += pld(x + ld * (q + 3)) * psplat(b[q + 3]);
+                            p0 += XQ(q) * psplat(b[q]);
+                            p1 += XQ(q + 1) * psplat(b[q + 1]);
+                            p2 += XQ(q + 2) * psplat(b[q + 2]);
+                            p3 += XQ(q + 3) * psplat(b[q + 3]);
                         }
-                        if (q < q1) p0 += pld(x + ld * q) * psplat(b[q]);
-                        if (q + 1 < q1) p1 += pld(x + ld * (q + 1)) * psplat(b[q + 1]);
-                        if (q + 2 < q1) p2 += pld(x + ld * (q + 2)) * psplat(b[q + 2]);
+                        if (q < q1) p0 += XQ(q) * psplat(b[q]);
+                        if (q + 1 < q1) p1 += XQ(q + 1) * psplat(b[q + 1]);
+                        if (q + 2 < q1) p2 += XQ(q + 2) * psplat(b[q + 2]);
                         as += (p0 + p1) + (p2 + p3);
                     }
-                    pset(&a[sg], pt, as);
+#undef XQ
+                    pset(dst, pt, as);
                 }
             }
         }
@@ -368,6 +419,9 @@ void vabft_a_cols(const chk_ctx *c, const char *pa, int64_t rows, const float *b
         sum[r] = tot[g][j];
         hi[r] = h[g][j];
         lo[r] = l[g][j];
-        for (int64_t sg = 0; sg < nseg; sg++) ref[sg * RBMAX + r] = acc[g * nseg + sg][j];
+        for (int64_t sg = 0; sg < nseg; sg++) {
+            ref[sg * RBMAX + r] = acc[g * nseg + sg][j];
+            rabs[sg * RBMAX + r] = acca[g * nseg + sg][j];
+        }
     }
 }

@@ -18,12 +18,13 @@
 #define I(i) PyLong_AsLongLong(args[i])
 #define P(i) ((char *)(intptr_t)PyLong_AsLongLong(args[i]))
 #define F(i) ((float)PyFloat_AsDouble(args[i]))
+#define D(i) PyFloat_AsDouble(args[i])
 
-/* weight_side(b, dt, bt, k, n, sbb, sbk, sbn, r, br, hi, lo, agg, bad, threads) -> mu_scale */
+/* weight_side(b, dt, bt, k, n, sbb, sbk, sbn, r, br, babs, hi, lo, agg, bad, threads) -> None */
 static PyObject *py_weight_side(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 15) {
-        PyErr_SetString(PyExc_TypeError, "weight_side: expected 15 arguments");
+    if (nargs != 16) {
+        PyErr_SetString(PyExc_TypeError, "weight_side: expected 16 arguments");
         return NULL;
     }
     ws_ctx c;
@@ -38,36 +39,36 @@ static PyObject *py_weight_side(PyObject *self, PyObject *const *args, Py_ssize_
     c.sbn = I(7);
     c.r = (const float *)P(8);
     c.br = (float *)P(9);
-    c.hi = (float *)P(10);
-    c.lo = (float *)P(11);
-    float *agg = (float *)P(12);
-    uint8_t *bad = (uint8_t *)P(13);
-    int threads = (int)I(14);
+    c.babs = (float *)P(10);
+    c.hi = (float *)P(11);
+    c.lo = (float *)P(12);
+    double *agg = (double *)P(13);
+    uint8_t *bad = (uint8_t *)P(14);
+    int threads = (int)I(15);
     if (PyErr_Occurred()) return NULL;
     if (c.dt < 0 || c.dt > 2) {
         PyErr_SetString(PyExc_ValueError, "weight_side: bad dtype code");
         return NULL;
     }
     int rc;
-    float mu_scale;
     Py_BEGIN_ALLOW_THREADS
-    rc = vabft_weight_side(&c, agg, bad, threads, &mu_scale);
+    rc = vabft_weight_side(&c, agg, bad, threads);
     Py_END_ALLOW_THREADS
     if (rc < 0) return PyErr_NoMemory();
-    return PyFloat_FromDouble(mu_scale);
+    Py_RETURN_NONE;
 }
 
 /* check(m, n, k, nb0, nb1,
  *       a, adt, sa0, sa1, sam, sak,  c, cdt, sc0, sc1, scm, scn,
- *       bias, bdt, sb0, sb1, sbm, sbn,  r,  br, sbr0, sbr1, sbrs,
- *       fm, fcm, fcs, fsp, sf0, sf1,
- *       mu_scale, scale, alpha, beta, tiny, bias_round,
+ *       bias, bdt, sb0, sb1, sbm, sbn,  r,  br, babs, sbr0, sbr1, sbrs,
+ *       fm, fcm, fcs, fsp (fp64), sf0, sf1,
+ *       scale, round, floor, alpha, beta, bias_round,
  *       vals (diff, thr: 2 planes), rows (mu, hi, lo: 3 planes), flags (ok, zero: 2 planes),
  *       threads) -> bool: every segment passed with D and T finite */
 static PyObject *py_check(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 44) {
-        PyErr_SetString(PyExc_TypeError, "check: expected 44 arguments");
+    if (nargs != 45) {
+        PyErr_SetString(PyExc_TypeError, "check: expected 45 arguments");
         return NULL;
     }
     chk_ctx c;
@@ -96,24 +97,25 @@ static PyObject *py_check(PyObject *self, PyObject *const *args, Py_ssize_t narg
     c.sbn = I(22);
     c.r = (const float *)P(23);
     c.br = (const float *)P(24);
-    c.sbr0 = I(25);
-    c.sbr1 = I(26);
-    c.sbrs = I(27);
-    c.fm = (const float *)P(28);
-    c.fcm = (const float *)P(29);
-    c.fcs = (const float *)P(30);
-    c.fsp = (const float *)P(31);
-    c.sf0 = I(32);
-    c.sf1 = I(33);
-    c.mu_scale = F(34);
-    c.scale = F(35);
-    c.alpha = F(36);
-    c.beta = F(37);
-    c.tiny = F(38);
-    c.bias_round = F(39);
-    float *vals = (float *)P(40), *rows = (float *)P(41);
-    uint8_t *flags = (uint8_t *)P(42);
-    int threads = (int)I(43);
+    c.babs = (const float *)P(25);
+    c.sbr0 = I(26);
+    c.sbr1 = I(27);
+    c.sbrs = I(28);
+    c.fm = (const double *)P(29);
+    c.fcm = (const double *)P(30);
+    c.fcs = (const double *)P(31);
+    c.fsp = (const double *)P(32);
+    c.sf0 = I(33);
+    c.sf1 = I(34);
+    c.scale = D(35);
+    c.round = D(36);
+    c.floor = D(37);
+    c.alpha = F(38);
+    c.beta = F(39);
+    c.bias_round = F(40);
+    float *vals = (float *)P(41), *rows = (float *)P(42);
+    uint8_t *flags = (uint8_t *)P(43);
+    int threads = (int)I(44);
     if (PyErr_Occurred()) return NULL;
     if (c.adt < 0 || c.adt > 2 || c.cdt < 0 || c.cdt > 2 || c.bdt < 0 || c.bdt > 2 || c.m <= 0 || c.k <= 0 ||
         c.n <= 0 || c.nb0 <= 0 || c.nb1 <= 0) {

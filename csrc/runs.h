@@ -75,27 +75,31 @@ static inline __attribute__((always_inline)) void run_sum(const char *x, int dt,
 }
 
 /* Part pt (lanes.h) of the run x[0..w) (times r) accumulated into its sum / max / min
- * accumulators s, h, l (4 each; the caller's locals, kept in registers once inlined). */
+ * accumulators s, h, l (4 each; the caller's locals, kept in registers once inlined), and
+ * into the sums of |.| in a when ABS (a constant where inlined). */
 static inline __attribute__((always_inline)) void part_stats(const float *x, const float *r, int64_t w, int pt,
-                                                             vpart *s, vpart *h, vpart *l) {
+                                                             vpart *s, vpart *h, vpart *l, int ABS, vpart *a) {
     const float *xh = x + pt * PW, *rh = r ? r + pt * PW : NULL;
     vpart s0 = s[0], s1 = s[1], s2 = s[2], s3 = s[3];
     vpart h0 = h[0], h1 = h[1], h2 = h[2], h3 = h[3];
     vpart l0 = l[0], l1 = l[1], l2 = l[2], l3 = l[3];
+    vpart a0 = psplat(0.0f), a1 = a0, a2 = a0, a3 = a0;
+    if (ABS) a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
     int64_t i = 0;
 #define LD(o) (r ? pld(xh + i + (o)) * pld(rh + i + (o)) : pld(xh + i + (o)))
-#define STEP(sj, hj, lj, v, vh, vl) \
-    sj += v;                        \
-    hj = pmax(vh, hj);              \
-    lj = pmin(vl, lj);
+#define STEP(sj, hj, lj, aj, v, vh, vl) \
+    sj += v;                            \
+    hj = pmax(vh, hj);                  \
+    lj = pmin(vl, lj);                  \
+    if (ABS) aj += pabs(v);
     for (; i + 64 <= w; i += 64) {
         vpart v0 = LD(0), v1 = LD(16), v2 = LD(32), v3 = LD(48);
-        STEP(s0, h0, l0, v0, v0, v0)
-        STEP(s1, h1, l1, v1, v1, v1)
-        STEP(s2, h2, l2, v2, v2, v2)
-        STEP(s3, h3, l3, v3, v3, v3)
+        STEP(s0, h0, l0, a0, v0, v0, v0)
+        STEP(s1, h1, l1, a1, v1, v1, v1)
+        STEP(s2, h2, l2, a2, v2, v2, v2)
+        STEP(s3, h3, l3, a3, v3, v3, v3)
     }
-#define REM(j, sj, hj, lj)                                                               \
+#define REM(j, sj, hj, lj, aj)                                                           \
     if (w - i > 16 * (j)) {                                                              \
         int64_t n = w - i - 16 * (j);                                                    \
         vpart v, vh, vl;                                                                 \
@@ -109,18 +113,19 @@ static inline __attribute__((always_inline)) void part_stats(const float *x, con
             vh = psel(in, v, psplat(-INFINITY));                                         \
             vl = psel(in, v, psplat(INFINITY));                                          \
         }                                                                                \
-        STEP(sj, hj, lj, v, vh, vl)                                                      \
+        STEP(sj, hj, lj, aj, v, vh, vl)                                                  \
     }
-    REM(0, s0, h0, l0)
-    REM(1, s1, h1, l1)
-    REM(2, s2, h2, l2)
-    REM(3, s3, h3, l3)
+    REM(0, s0, h0, l0, a0)
+    REM(1, s1, h1, l1, a1)
+    REM(2, s2, h2, l2, a2)
+    REM(3, s3, h3, l3, a3)
 #undef REM
 #undef STEP
 #undef LD
     s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
     h[0] = h0, h[1] = h1, h[2] = h2, h[3] = h3;
     l[0] = l0, l[1] = l1, l[2] = l2, l[3] = l3;
+    if (ABS) a[0] = a0, a[1] = a1, a[2] = a2, a[3] = a3;
 }
 
 /* Accumulate sum / max / min of the run x[0..w) (times r) into S, H, L (4 each). */
@@ -128,7 +133,7 @@ static inline void acc_stats(const float *x, const float *r, int64_t w, v16 *S, 
     for (int pt = 0; pt < NPART; pt++) {
         vpart s[4], h[4], l[4];
         for (int j = 0; j < 4; j++) s[j] = pget(&S[j], pt), h[j] = pget(&H[j], pt), l[j] = pget(&L[j], pt);
-        part_stats(x, r, w, pt, s, h, l);
+        part_stats(x, r, w, pt, s, h, l, 0, NULL);
         for (int j = 0; j < 4; j++) pset(&S[j], pt, s[j]), pset(&H[j], pt, h[j]), pset(&L[j], pt, l[j]);
     }
 }
@@ -144,13 +149,15 @@ static inline void init_stats(v16 *S, v16 *H, v16 *L) {
 }
 
 /* init_stats, acc_stats and comb_stats (below) of one run, the accumulators in
- * registers throughout */
-static inline void run_stats(const float *x, const float *r, int64_t w, v16 *sum, v16 *hi, v16 *lo) {
+ * registers throughout; with the sum of |.| into *abs, combined as the sum is */
+static inline void run_stats(const float *x, const float *r, int64_t w, v16 *sum, v16 *abs, v16 *hi, v16 *lo) {
     for (int pt = 0; pt < NPART; pt++) {
-        vpart s[4], h[4], l[4];
-        for (int j = 0; j < 4; j++) s[j] = psplat(0.0f), h[j] = psplat(-INFINITY), l[j] = psplat(INFINITY);
-        part_stats(x, r, w, pt, s, h, l);
+        vpart s[4], a[4], h[4], l[4];
+        for (int j = 0; j < 4; j++)
+            s[j] = a[j] = psplat(0.0f), h[j] = psplat(-INFINITY), l[j] = psplat(INFINITY);
+        part_stats(x, r, w, pt, s, h, l, 1, a);
         pset(sum, pt, (s[0] + s[1]) + (s[2] + s[3]));
+        pset(abs, pt, (a[0] + a[1]) + (a[2] + a[3]));
         pset(hi, pt, pmax(pmax(h[0], h[1]), pmax(h[2], h[3])));
         pset(lo, pt, pmin(pmin(l[0], l[1]), pmin(l[2], l[3])));
     }

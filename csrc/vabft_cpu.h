@@ -3,10 +3,11 @@
  * what its files share: dtype codes, the segment width, the two kernels' contexts and
  * the functions one file calls in another (prefixed vabft_).
  *
- * Two entry points, both one read of each operand, everything accumulated in fp32:
- *   weight_side  B [Bt, K, N] -> Br [Bt, nseg, K] (segment-major) and the per-segment
- *                aggregates P1, P2, V, col_norm, bad and the four threshold factors of
- *                sdc_guard.abft.WeightSide._factors;
+ * Two entry points, both one read of each operand, sums accumulated in fp32, every
+ * square and product of statistics in fp64 (docs/ALGORITHM.md, "Range"):
+ *   weight_side  B [Bt, K, N] -> Br, Babs [Bt, nseg, K] (segment-major) and the per-segment
+ *                aggregates P1, P2, V, col_norm (fp64), bad and the four threshold factors
+ *                of sdc_guard.abft.WeightSide._factors (fp64);
  *   check        A [.., M, K], C [.., M, N] (and a bias broadcast to C) -> D, T, ok per
  *                (row, segment), the row mean / max / min of A, and whether every segment
  *                passed with everything finite.
@@ -81,14 +82,14 @@ typedef struct {
     int dt;
     int64_t bt, k, n, nseg, sbb, sbk, sbn;
     const float *r;
-    float *br, *hi, *lo; /* [bt][nseg][k] */
-    int colwise;         /* set by vabft_weight_side */
+    float *br, *babs, *hi, *lo; /* [bt][nseg][k] */
+    int colwise;                /* set by vabft_weight_side */
     int64_t items_per_batch;
 } ws_ctx;
 
-/* Fills br / hi / lo, agg [9][bt][nseg] and bad [bt][nseg] of c (its operand fields set;
- * nseg included) and *mu_scale. Returns -1 when memory ran out, else 1. No Python. */
-int vabft_weight_side(ws_ctx *c, float *agg, uint8_t *bad, int threads, float *mu_scale);
+/* Fills br / babs / hi / lo, agg [8][bt][nseg] (fp64) and bad [bt][nseg] of c (its operand
+ * fields set; nseg included). Returns -1 when memory ran out, else 1. No Python. */
+int vabft_weight_side(ws_ctx *c, double *agg, uint8_t *bad, int threads);
 
 /* ---- check (check.c) ------------------------------------------------------------------ */
 
@@ -105,11 +106,14 @@ typedef struct {
     int bdt;
     int64_t sb0, sb1, sbm, sbn;
     const float *r;
-    const float *br;
+    const float *br, *babs;   /* Babs at the same offsets as Br */
     int64_t sbr0, sbr1, sbrs; /* Br[k, s] at br + b0 sbr0 + b1 sbr1 + s sbrs + k */
-    const float *fm, *fcm, *fcs, *fsp;
-    int64_t sf0, sf1; /* factors: batch strides, segment stride 1 */
-    float mu_scale, scale, alpha, beta, tiny, bias_round;
+    const double *fm, *fcm, *fcs, *fsp;
+    int64_t sf0, sf1;         /* factors: batch strides, segment stride 1 */
+    double scale;             /* |alpha| e_eff */
+    double round;             /* |alpha| u_C: the factor of |A| @ Babs */
+    double floor;             /* per element of a segment: precision.element_floor(K, C's dtype) */
+    float alpha, beta, bias_round;
     float *diff, *thr, *mu, *hi, *lo; /* [nb][m][nseg], [nb][m] */
     uint8_t *ok, *zero;               /* [nb][m][nseg] */
     float *worst;                     /* [work items]: largest D / T of each item's rows */

@@ -1,11 +1,12 @@
 /*
  * weight_side.c: the weight-side encoding of V-ABFT, computed once per weight.
  *
- * For B [Bt, K, N]: Br[k, s] = sum over segment s of r[j] B[k, j] with the max and min of
- * each (k, segment) run (ws_rows for row-major or strided B, ws_cols for a column-major
- * B such as W.t() of a Linear), then per segment the aggregates of abft.weight_side and
- * the four threshold factors of WeightSide._factors (ws_aggregate), so that a check
- * needs nothing of B but these.
+ * For B [Bt, K, N]: Br[k, s] = sum over segment s of r[j] B[k, j], Babs[k, s] = the sum of
+ * |r[j] B[k, j]|, with the max and min of each (k, segment) run (ws_rows for row-major or
+ * strided B, ws_cols for a column-major B such as W.t() of a Linear), then per segment
+ * the aggregates of abft.weight_side and the four threshold factors of
+ * WeightSide._factors, in fp64 (ws_aggregate), so that a check needs nothing of B but
+ * these.
  *
  * Both layouts reduce each run in the order that runs.h fixes, so Br does not depend on
  * B's strides; the aggregates run on one thread in a fixed order, so they do not depend on
@@ -28,9 +29,9 @@ static int ws_rows(void *vctx, int64_t i0, int64_t i1) {
     ws_ctx *c = (ws_ctx *)vctx;
     int64_t nseg = c->nseg, esz = ESZ[c->dt];
     int gather = !(c->dt == DT_F32 && c->sbn == 1);
-    v16 *vec = (v16 *)aligned_alloc(64, 3 * 16 * nseg * sizeof(v16) + SEG * sizeof(float));
+    v16 *vec = (v16 *)aligned_alloc(64, 4 * 16 * nseg * sizeof(v16) + SEG * sizeof(float));
     if (!vec) return -1;
-    float *buf = (float *)(vec + 3 * 16 * nseg);
+    float *buf = (float *)(vec + 4 * 16 * nseg);
     for (int64_t it = i0; it < i1; it++) {
         int64_t bi = it / c->items_per_batch, k0 = (it % c->items_per_batch) * KB;
         int64_t k1 = k0 + KB < c->k ? k0 + KB : c->k;
@@ -39,9 +40,9 @@ static int ws_rows(void *vctx, int64_t i0, int64_t i1) {
             for (int64_t j = 0; j < 16; j++) {
                 const char *row = c->b + (bi * c->sbb + (j0 + j) * c->sbk) * esz;
                 for (int64_t s = 0; s < nseg; s++) {
-                    v16 *vs = vec + s * 16, *vh = vs + 16 * nseg, *vl = vh + 16 * nseg;
+                    v16 *vs = vec + s * 16, *vh = vs + 16 * nseg, *vl = vh + 16 * nseg, *va = vl + 16 * nseg;
                     if (j >= nk) {
-                        vs[j] = vh[j] = vl[j] = splat(0.0f);
+                        vs[j] = vh[j] = vl[j] = va[j] = splat(0.0f);
                         continue;
                     }
                     int64_t w = seg_width(c->n, s);
@@ -53,19 +54,21 @@ static int ws_rows(void *vctx, int64_t i0, int64_t i1) {
                     } else {
                         x = (const float *)p;
                     }
-                    run_stats(x, c->r ? c->r + s * SEG : NULL, w, &vs[j], &vh[j], &vl[j]);
+                    run_stats(x, c->r ? c->r + s * SEG : NULL, w, &vs[j], &va[j], &vh[j], &vl[j]);
                 }
             }
             for (int64_t s = 0; s < nseg; s++) {
-                v16 *vs = vec + s * 16, *vh = vs + 16 * nseg, *vl = vh + 16 * nseg;
-                float sum[16], hi[16], lo[16];
+                v16 *vs = vec + s * 16, *vh = vs + 16 * nseg, *vl = vh + 16 * nseg, *va = vl + 16 * nseg;
+                float sum[16], hi[16], lo[16], ab[16];
                 finish16(vs, vh, vl, sum, hi, lo);
+                vst(ab, hsum16(va));
                 int64_t o = (bi * nseg + s) * c->k + j0, w = seg_width(c->n, s);
                 for (int64_t j = 0; j < nk; j++) {
                     if (isnan(sum[j]) &&
                         has_nan(c->b + (bi * c->sbb + (j0 + j) * c->sbk + s * SEG * c->sbn) * esz, c->dt, c->sbn, w))
                         hi[j] = lo[j] = NAN;
                     c->br[o + j] = sum[j];
+                    c->babs[o + j] = ab[j];
                     c->hi[o + j] = hi[j];
                     c->lo[o + j] = lo[j];
                 }
@@ -82,16 +85,16 @@ static int ws_rows(void *vctx, int64_t i0, int64_t i1) {
  * partial sums, max and min of those k in registers. */
 static int ws_cols(void *vctx, int64_t i0, int64_t i1) {
     ws_ctx *c = (ws_ctx *)vctx;
-    float *mem = (float *)aligned_alloc(64, 3 * KCW * sizeof(float));
+    float *mem = (float *)aligned_alloc(64, 4 * KCW * sizeof(float));
     if (!mem) return -1;
-    float *tot = mem, *hi = mem + KCW, *lo = mem + 2 * KCW;
+    float *tot = mem, *hi = mem + KCW, *lo = mem + 2 * KCW, *ab = mem + 3 * KCW;
     int64_t kblocks = (c->k + KCW - 1) / KCW, esz = ESZ[c->dt];
     for (int64_t it = i0; it < i1; it++) {
         int64_t bi = it / c->items_per_batch, rem = it % c->items_per_batch;
         int64_t s = rem / kblocks, k0 = (rem % kblocks) * KCW;
         int64_t kc = c->k - k0 < KCW ? c->k - k0 : KCW, w = seg_width(c->n, s);
         for (int64_t q = 0; q < ((kc + 15) & ~(int64_t)15); q++) { /* the vectors this item touches */
-            tot[q] = 0.0f;
+            tot[q] = ab[q] = 0.0f;
             hi[q] = -INFINITY;
             lo[q] = INFINITY;
         }
@@ -103,17 +106,19 @@ static int ws_cols(void *vctx, int64_t i0, int64_t i1) {
             for (; q0 + 64 <= kc; q0 += 64) {
                 for (int pt = 0; pt < NPART; pt++) { /* a part at a time (lanes.h) */
                     int64_t qp = q0 + pt * PW;
-                    vpart p[4], h[4], l[4], v[4];
+                    vpart p[4], h[4], l[4], v[4], a[4];
                     for (int u = 0; u < 4; u++)
-                        p[u] = psplat(0.0f), h[u] = pld(hi + qp + 16 * u), l[u] = pld(lo + qp + 16 * u);
+                        p[u] = a[u] = psplat(0.0f), h[u] = pld(hi + qp + 16 * u), l[u] = pld(lo + qp + 16 * u);
                     for (int64_t j = j0; j < j1; j++) {
                         pload4(base + (j * c->sbn + qp) * esz, c->dt, v);
                         if (rs)
                             for (int u = 0; u < 4; u++) v[u] = v[u] * psplat(rs[j]);
                         pstats4(v, p, h, l);
+                        for (int u = 0; u < 4; u++) a[u] += pabs(v[u]);
                     }
                     for (int u = 0; u < 4; u++) {
                         pst(tot + qp + 16 * u, pld(tot + qp + 16 * u) + p[u]);
+                        pst(ab + qp + 16 * u, pld(ab + qp + 16 * u) + a[u]);
                         pst(hi + qp + 16 * u, h[u]);
                         pst(lo + qp + 16 * u, l[u]);
                     }
@@ -123,25 +128,29 @@ static int ws_cols(void *vctx, int64_t i0, int64_t i1) {
                 int64_t n = kc - q0 < 16 ? kc - q0 : 16;
                 for (int pt = 0; pt < NPART && pt * PW < n; pt++) {
                     int64_t qp = q0 + pt * PW;
-                    vpart p0 = {0}, h0 = pld(hi + qp), l0 = pld(lo + qp);
+                    vpart p0 = {0}, a0 = {0}, h0 = pld(hi + qp), l0 = pld(lo + qp);
                     for (int64_t j = j0; j < j1; j++) {
                         vpart v0 = pload(base + (j * c->sbn + qp) * esz, c->dt, n - pt * PW);
                         if (rs) v0 = v0 * psplat(rs[j]);
                         p0 += v0;
+                        a0 += pabs(v0);
                         h0 = pmax(v0, h0);
                         l0 = pmin(v0, l0);
                     }
                     pst(tot + qp, pld(tot + qp) + p0);
+                    pst(ab + qp, pld(ab + qp) + a0);
                     pst(hi + qp, h0);
                     pst(lo + qp, l0);
                 }
             }
         }
         float *obr = c->br + (bi * c->nseg + s) * c->k + k0;
+        float *oab = c->babs + (bi * c->nseg + s) * c->k + k0;
         float *ohi = c->hi + (bi * c->nseg + s) * c->k + k0;
         float *olo = c->lo + (bi * c->nseg + s) * c->k + k0;
         for (int64_t q = 0; q < kc; q++) {
             obr[q] = tot[q];
+            oab[q] = ab[q];
             ohi[q] = hi[q];
             olo[q] = lo[q];
             if (isnan(tot[q]) && has_nan(base + q * c->sbk * esz, c->dt, c->sbn, w)) ohi[q] = olo[q] = NAN;
@@ -154,6 +163,9 @@ static int ws_cols(void *vctx, int64_t i0, int64_t i1) {
 typedef double v16d __attribute__((vector_size(128)));
 typedef double v4d __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
+typedef int64_t v4l __attribute__((vector_size(32)));
+
+static inline v4d dabs4(v4d x) { return (v4d)((v4l)x & (v4l){INT64_MAX, INT64_MAX, INT64_MAX, INT64_MAX}); }
 
 /* the 16 lanes of v summed by a fixed tree (lane j + w into lane j, w = 8, 4, 2, 1) */
 static double dsum16(const v16d *v) {
@@ -164,30 +176,26 @@ static double dsum16(const v16d *v) {
     return t[0];
 }
 
-/* acc[q] += lanes 4q .. 4q + 3 of x in fp64 (exact), q < PW / 4: 4 lanes of fp64 are one
- * register with AVX2 */
-static inline void add_f64(v4d *acc, vpart x) {
-    for (int q = 0; q < PW / 4; q++) {
-        v4f f;
-        memcpy(&f, (const char *)&x + 16 * q, 16);
-        acc[q] += __builtin_convertvector(f, v4d);
-    }
+/* lanes 4q .. 4q + 3 of x as fp64 (exact) */
+static inline v4d quad64(vpart x, int q) {
+    v4f f;
+    memcpy(&f, (const char *)&x + 16 * q, 16);
+    return __builtin_convertvector(f, v4d);
 }
 
-/* Per segment: the aggregates of abft.weight_side and the factors of WeightSide._factors.
- * Sums over k run in double on one thread (the result does not depend on the thread
- * count), 16 k at a time: k goes to lane k % 16 (a tail padded with zeros, which add
- * nothing), then the lanes reduce by a fixed tree. Vectors rather than one k at a time
- * because this runs between the threaded encode and the check while the other threads
- * wait: one k at a time (a chain of dependent double adds) it took a fifth of a small
- * batched weight side. The lanes run a part (lanes.h) at a time, each over every k.
- * agg is [9][bt][nseg]: p1, p2, v, col_norm, f_mean, f_cross_mu, f_cross_sd, f_spread,
- * and bad as 0 / 1 in the last plane. Returns mu_scale. */
-static float ws_aggregate(const ws_ctx *c, float *agg, uint8_t *bad) {
+/* Per segment: the aggregates of abft.weight_side and the factors of WeightSide._factors,
+ * all in fp64. Each (k, s) value is widened to fp64 first and every square and product
+ * is taken there, where the product of two fp32 values is exact and nothing underflows or
+ * overflows (fp32 squares leave fp32's range below 1e-19 and above 1e19). Sums over k run
+ * on one thread (the result does not depend on the thread count), 16 k at a time: k goes
+ * to lane k % 16 (a tail padded with zeros, which add nothing), then the lanes reduce by
+ * a fixed tree. Vectors rather than one k at a time because this runs between the
+ * threaded encode and the check while the other threads wait. agg is [8][bt][nseg] fp64:
+ * p1, p2, v, col_norm, f_mean, f_cross_mu, f_cross_sd, f_spread. */
+static void ws_aggregate(const ws_ctx *c, double *agg, uint8_t *bad) {
     int64_t plane = c->bt * c->nseg;
-    float *p1o = agg, *p2o = agg + plane, *vo = agg + 2 * plane, *cno = agg + 3 * plane;
-    float *fm = agg + 4 * plane, *fcm = agg + 5 * plane, *fcs = agg + 6 * plane, *fsp = agg + 7 * plane;
-    int overflow = 0;
+    double *p1o = agg, *p2o = agg + plane, *vo = agg + 2 * plane, *cno = agg + 3 * plane;
+    double *fm = agg + 4 * plane, *fcm = agg + 5 * plane, *fcs = agg + 6 * plane, *fsp = agg + 7 * plane;
     const vpmask lane = pindex();
     for (int64_t bi = 0; bi < c->bt; bi++) {
         for (int64_t s = 0; s < c->nseg; s++) {
@@ -206,52 +214,50 @@ static float ws_aggregate(const ws_ctx *c, float *agg, uint8_t *bad) {
                         for (int64_t j = 0; j < np; j++) vb[j] = br[kp + j], vh[j] = hi[kp + j], vl[j] = lo[kp + j];
                     }
                     vpart mu = vb / psplat(w);
-                    vpart var = pabs((vh - mu) * (mu - vl));
                     vpart m = psel(vh > -vl, vh, -vl);
                     m = psel((vh != vh) | (vl != vl), psplat(NAN), m);
                     if (np < PW) { /* padding lanes add 0 */
                         vpmask live = lane < (int32_t)(np > 0 ? np : 0);
                         mu = psel(live, mu, psplat(0.0f));
-                        var = psel(live, var, psplat(0.0f));
+                        vh = psel(live, vh, psplat(0.0f));
+                        vl = psel(live, vl, psplat(0.0f));
                         m = psel(live, m, psplat(0.0f));
                     }
-                    add_f64(a1, pabs(mu));
-                    add_f64(a2, mu * mu);
-                    add_f64(av, var);
-                    add_f64(ac, m * m);
+                    for (int q = 0; q < PW / 4; q++) {
+                        v4d mu64 = quad64(mu, q), hi64 = quad64(vh, q), lo64 = quad64(vl, q), m64 = quad64(m, q);
+                        v4d var = (hi64 - mu64) * (mu64 - lo64);
+                        a1[q] += dabs4(mu64);
+                        a2[q] += mu64 * mu64;
+                        av[q] += dabs4(var);
+                        ac[q] += m64 * m64;
+                    }
                 }
                 memcpy((char *)&p1 + pt * PW * 8, a1, sizeof a1);
                 memcpy((char *)&p2 + pt * PW * 8, a2, sizeof a2);
                 memcpy((char *)&v + pt * PW * 8, av, sizeof av);
                 memcpy((char *)&cn + pt * PW * 8, ac, sizeof ac);
             }
-            double p1s = dsum16(&p1), p2s = dsum16(&p2), vs = dsum16(&v), cns = dsum16(&cn);
-            float P1 = (float)p1s, P2 = (float)p2s, V = (float)vs;
+            double P1 = dsum16(&p1), P2 = dsum16(&p2), V = dsum16(&v), cns = dsum16(&cn);
             p1o[o] = P1;
             p2o[o] = P2;
             vo[o] = V;
-            cno[o] = sqrtf((float)cns);
+            cno[o] = sqrt(cns);
             bad[o] = !(isfinite(P1) && isfinite(V));
-            float sqrt_n = sqrtf(w), sqrt_v = sqrtf(V);
-            fm[o] = w * P1;
-            if (!isfinite(fm[o])) overflow = 1;
-            fcm[o] = (4.0f * sqrt_n) * sqrt_v;
-            fcs[o] = (4.0f * w) * sqrtf(P2);
+            double wd = (double)w, sqrt_n = sqrt(wd), sqrt_v = sqrt(V);
+            fm[o] = wd * P1;
+            fcm[o] = (4.0 * sqrt_n) * sqrt_v;
+            fcs[o] = (4.0 * wd) * sqrt(P2);
             fsp[o] = sqrt_n * sqrt_v;
         }
     }
-    if (!overflow) return 1.0f;
-    /* n_s P1 overflowed somewhere: VABFT.md's order, (256 |muA|) (P1 n_s / 256) */
-    for (int64_t o = 0; o < plane; o++) fm[o] = p1o[o] * ((float)seg_width(c->n, o % c->nseg) / (float)SEG);
-    return (float)SEG;
 }
 
-int vabft_weight_side(ws_ctx *c, float *agg, uint8_t *bad, int threads, float *mu_scale) {
+int vabft_weight_side(ws_ctx *c, double *agg, uint8_t *bad, int threads) {
     /* column-major: runs along K (W.t() of a Linear); else rows of B, gathered if strided */
     c->colwise = c->sbk == 1 && c->sbn != 1 && c->k > 1;
     c->items_per_batch = c->colwise ? c->nseg * ((c->k + KCW - 1) / KCW) : (c->k + KB - 1) / KB;
     threads = vabft_threads(threads, c->bt * c->k * c->n);
     int rc = vabft_parallel(c->colwise ? ws_cols : ws_rows, c, c->bt * c->items_per_batch, threads);
-    *mu_scale = rc < 0 ? 0.0f : ws_aggregate(c, agg, bad);
+    if (rc >= 0) ws_aggregate(c, agg, bad);
     return rc;
 }

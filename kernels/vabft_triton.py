@@ -1,4 +1,4 @@
-"""The ``triton`` backend: V-ABFT (VABFT.md) as one fused Triton kernel per verification.
+"""The ``triton`` backend: the V-ABFT screen (docs/ALGORITHM.md) as one fused Triton kernel per verification.
 
 ``triton_check(req)`` computes the same ``AbftCheck`` as ``sdc_guard.abft.vabft_check``
 for ``c == alpha * a @ b + beta * bias``: ``diff`` (D), ``threshold`` (T), ``ok``,
@@ -9,10 +9,11 @@ Launches per verification
 - One ``_check_kernel`` launch. Each program owns ``BLOCK_M`` rows of one batch element
   and ``SEG_BLOCK`` segments. It streams its rows of ``A`` once over K, accumulating the
   row sum, maximum and minimum (mean, Bhatia-Davis variance, the 2-norm bound
-  ``sqrt(K (var + mu^2))``, non-finite) together with ``A @ Br``; then it streams its ``[BLOCK_M, BLOCK_N]`` tiles
-  of ``C`` (and of the bias) once, adding each into its segment's sum; the epilogue forms
-  D and T and the three masks and stores them. Nothing is written but the outputs, and
-  nothing waits for the host.
+  ``sqrt(K (var + mu^2))``, non-finite) together with ``A @ Br`` and ``|A| @ Babs``; then it
+  streams its ``[BLOCK_M, BLOCK_N]`` tiles of ``C`` (and of the bias) once, adding each into
+  its segment's sum; the epilogue forms D (fp32) and T (in fp64, rounded to fp32 once) and
+  the three masks and stores them. Nothing is written but the outputs, and nothing waits
+  for the host.
 - Plus two launches (``sdc_guard.kernels.vabft_weight``) when no cached ``WeightSide``
   is passed in ``req.weight``: the weight-side encoding, O(KN), is what a cache saves.
 
@@ -93,8 +94,9 @@ from sdc_guard.precision import (
     C_ROBUST,
     SEGMENT,
     SUPPORTED_DTYPES,
-    TINY,
+    UNIT_ROUNDOFF,
     bias_rounding,
+    element_floor,
     overflow_limit,
 )
 
@@ -153,7 +155,9 @@ def _weight_reasons(req: GemmRequest, ws: WeightSide) -> str | None:
     nseg = num_segments(n)
     if (ws.k, ws.n) != (k, n) or tuple(ws.br.shape[-2:]) != (k, nseg):
         return f"weight: cached encoding is for K={ws.k}, N={ws.n}; the operands have K={k}, N={n}"
-    for t in (ws.br, ws.p1, ws.p2, ws.v, ws.col_norm, ws.bad):
+    if ws.babs.shape != ws.br.shape or ws.babs.stride() != ws.br.stride():
+        return "weight: the encoding's Babs and Br do not share one layout"
+    for t in (ws.br, ws.babs, ws.p1, ws.p2, ws.v, ws.col_norm, ws.bad):
         if t.device != req.c.device:
             return f"weight: cached encoding is on {t.device}, the operands on {req.c.device}"
     batch = req.c.shape[:-2]
@@ -229,7 +233,7 @@ def rejects(req: GemmRequest) -> str | None:
 
 @triton.jit
 def _check_kernel(
-    a_ptr, br_ptr, c_ptr, r_ptr, bias_ptr,
+    a_ptr, br_ptr, babs_ptr, c_ptr, r_ptr, bias_ptr,
     p1_ptr, p2_ptr, v_ptr, cn_ptr, wbad_ptr, values_ptr, flags_ptr, plane,
     M, N, K, k_float, nseg, n_mblocks, batch1, stride_r,
     sa0, sa1, sam, sak,
@@ -237,7 +241,7 @@ def _check_kernel(
     sc0, sc1, scm, scn,
     sx0, sx1, sxm, sxn,
     sg0, sg1, sgs,
-    e_eff, alpha, beta, tiny, two_u, limit,
+    e_eff, alpha, beta, u_c, floor, two_u, limit,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
     SEG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SEG_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -258,7 +262,9 @@ def _check_kernel(
     # --- A stream: row statistics and A @ Br, one pass over K -------------------------
     a_rows = a_ptr + b0 * sa0 + b1 * sa1 + rows64[:, None] * sam
     br_segs = br_ptr + b0 * sr0 + b1 * sr1 + segs.to(tl.int64)[None, :] * srs
+    babs_segs = babs_ptr + b0 * sr0 + b1 * sr1 + segs.to(tl.int64)[None, :] * srs
     ref = tl.zeros((BLOCK_M, SEG_BLOCK), tl.float32)
+    rabs = tl.zeros((BLOCK_M, SEG_BLOCK), tl.float32)
     row_sum = tl.zeros((BLOCK_M,), tl.float32)
     row_hi = tl.full((BLOCK_M,), -float("inf"), tl.float32)
     row_lo = tl.full((BLOCK_M,), float("inf"), tl.float32)
@@ -271,16 +277,21 @@ def _check_kernel(
         row_sum += tl.sum(a, axis=1)
         row_hi = tl.maximum(row_hi, tl.max(tl.where(a_mask, a, -float("inf")), axis=1))
         row_lo = tl.minimum(row_lo, tl.min(tl.where(a_mask, a, float("inf")), axis=1))
-        br = tl.load(br_segs + ks64[:, None] * srk, mask=k_ok[:, None] & seg_ok[None, :],
-                     other=0.0).to(tl.float32)
+        br_mask = k_ok[:, None] & seg_ok[None, :]
+        br = tl.load(br_segs + ks64[:, None] * srk, mask=br_mask, other=0.0).to(tl.float32)
+        babs = tl.load(babs_segs + ks64[:, None] * srk, mask=br_mask, other=0.0).to(tl.float32)
         if USE_DOT:
             ref = tl.dot(a, br, ref, input_precision="ieee")
+            rabs = tl.dot(tl.abs(a), babs, rabs, input_precision="ieee")
         else:
             ref += tl.sum(a[:, :, None] * br[None, :, :], axis=1)
+            rabs += tl.sum(tl.abs(a)[:, :, None] * babs[None, :, :], axis=1)
     row_hi = tl.where(row_ok, row_hi, 0.0)
     row_lo = tl.where(row_ok, row_lo, 0.0)
     mu = tl.div_rn(row_sum, k_float)
-    var = tl.abs((row_hi - mu) * (mu - row_lo))
+    # every square and product of the threshold in fp64: range-safe for any finite input
+    mu64 = mu.to(tl.float64)
+    var = tl.abs((row_hi.to(tl.float64) - mu64) * (mu64 - row_lo.to(tl.float64)))
     row_bad = ~((tl.abs(mu) < float("inf")) & (tl.abs(var) < float("inf")))
 
     # --- C (and bias) stream: weighted segment sums, [BLOCK_M, BLOCK_N] tiles ----------
@@ -315,25 +326,27 @@ def _check_kernel(
     v = tl.load(v_ptr + agg, mask=seg_ok, other=0.0)[None, :]
     col_norm = tl.load(cn_ptr + agg, mask=seg_ok, other=0.0)[None, :]
     w_bad = tl.load(wbad_ptr + agg, mask=seg_ok, other=0)[None, :] != 0
-    width = tl.minimum(tl.maximum(N - segs * SEG, 0), SEG).to(tl.float32)[None, :]
-    mu2 = mu[:, None]
+    width = tl.minimum(tl.maximum(N - segs * SEG, 0), SEG).to(tl.float64)[None, :]
+    mu2 = mu64[:, None]
     var2 = var[:, None]
     abs_alpha = tl.abs(alpha)
     reference = ref * alpha
     mean_term = width * tl.abs(mu2) * p1
-    cross_term = tl.sqrt_rn(C2 * width * mu2 * mu2 * v + C2 * width * width * var2 * p2)
-    spread_term = tl.sqrt_rn(width) * tl.sqrt_rn(var2) * tl.sqrt_rn(v)
-    threshold = abs_alpha * (e_eff * (mean_term + cross_term + spread_term)) + width * tiny
+    cross_term = tl.sqrt(C2 * width * mu2 * mu2 * v + C2 * width * width * var2 * p2)
+    spread_term = tl.sqrt(width) * tl.sqrt(var2) * tl.sqrt(v)
+    threshold = (abs_alpha * (e_eff * (mean_term + cross_term + spread_term)) + width * floor
+                 + (abs_alpha * u_c) * rabs.to(tl.float64))
     inputs_bad = row_bad[:, None] | w_bad
     # sqrt(K (var + mu^2)) bounds the row's 2-norm (var bounds the true variance).
-    row_norm = tl.sqrt_rn(k_float * (var + mu * mu))
+    row_norm = tl.sqrt(k_float * (var + mu64 * mu64))
     bound = abs_alpha * row_norm[:, None] * col_norm
     if HAS_BIAS:
         bias_abs = bias_abs * tl.abs(beta)
         reference = reference + beta * bias_sum
-        threshold = threshold + two_u * bias_abs
+        threshold = threshold + two_u * bias_abs.to(tl.float64)
         inputs_bad = inputs_bad | ~(tl.abs(bias_sum) < float("inf"))
         bound = bound + bias_abs
+    threshold = threshold.to(tl.float32)
     diff = tl.abs(c_sum - reference)
     ok = diff <= threshold
     overflow = ~(tl.abs(diff) < float("inf")) & ~inputs_bad & (bound >= limit)
@@ -399,7 +412,7 @@ def triton_check(req: GemmRequest) -> AbftCheck:
     st = layout.strides
     with on_device(c.device):
         _check_kernel[(n_batch * n_mblocks, triton.cdiv(nseg, tiling.seg_block))](
-            a, ws.br, c, r if r is not None else c, bias if bias is not None else c,
+            a, ws.br, ws.babs, c, r if r is not None else c, bias if bias is not None else c,
             p1, p2, v, col_norm, w_bad.view(torch.uint8), values, flags, plane,
             m, n, k, float(k), nseg, n_mblocks, layout.batch1, r.stride(0) if r is not None else 0,
             *st["a"], a.stride(-2), a.stride(-1),
@@ -407,8 +420,8 @@ def triton_check(req: GemmRequest) -> AbftCheck:
             *st["c"], c.stride(-2), c.stride(-1),
             *st["bias"], *(bias.stride()[-2:] if bias is not None else (0, 0)),
             *st["agg"], p1.stride(-1),
-            effective_e_max(req.e_max, k, c.dtype), req.alpha, req.beta, TINY[c.dtype],
-            bias_rounding(c.dtype), overflow_limit(c.dtype),
+            effective_e_max(req.e_max, k), req.alpha, req.beta, req.rounding * UNIT_ROUNDOFF[c.dtype],
+            element_floor(k, c.dtype), bias_rounding(c.dtype), overflow_limit(c.dtype),
             HAS_WEIGHT=r is not None, HAS_BIAS=bias is not None, USE_DOT=tiling.use_dot,
             SEG=SEGMENT, BLOCK_M=tiling.block_m, BLOCK_K=tiling.block_k,
             SEG_BLOCK=tiling.seg_block, BLOCK_N=BLOCK_N, C2=C_ROBUST * C_ROBUST,

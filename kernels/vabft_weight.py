@@ -1,13 +1,15 @@
 """Weight-side V-ABFT encoding of ``B`` as Triton kernels, and the strided-batch helper.
 
 ``triton_weight_side(b)`` computes exactly what ``sdc_guard.abft.weight_side`` defines
-(VABFT.md, "Checksum" and "Threshold"): ``Br[k, s]``, the per-segment aggregates ``P1``,
-``P2``, ``V`` of the per-(k, segment) mean and Bhatia-Davis extrema variance, the largest
-column 2-norm bound ``col_norm`` and the non-finite mask ``bad``, in two launches:
+(docs/ALGORITHM.md, "Weight side"): ``Br[k, s]`` and ``Babs[k, s]``, the per-segment
+aggregates ``P1``, ``P2``, ``V`` of the per-(k, segment) mean and Bhatia-Davis extrema
+variance, the largest column 2-norm bound ``col_norm`` and the non-finite mask ``bad``, in
+two launches (the aggregates in fp64: squares and products of fp32 statistics leave
+fp32's range, attention's probabilities and gradients among them):
 
 1. ``_weight_partials_kernel``, grid ``(batch * nseg, k_chunks)``: each program reads a
-   ``[k_chunk, 256]`` slab of ``B`` once, in ``[BLOCK_K, 256]`` tiles, writes the ``Br`` rows
-   of its slab and its partial sums of ``P1``, ``P2``, ``V`` and ``col_norm^2`` (``sum_k``
+   ``[k_chunk, 256]`` slab of ``B`` once, in ``[BLOCK_K, 256]`` tiles, writes the ``Br`` and
+   ``Babs`` rows of its slab and its partial sums of ``P1``, ``P2``, ``V`` and ``col_norm^2`` (``sum_k``
    of the squared per-(k, segment) extremum) to a small scratch buffer. Splitting K keeps the GPU busy when ``batch * nseg`` is small (a
    4096-wide weight has only 16 segments) without atomics, so the result is deterministic.
 2. ``_weight_finish_kernel``, grid ``(batch * nseg,)``: adds the partials of the K chunks
@@ -19,7 +21,7 @@ k or n is contiguous (for ``W.t()`` in runs of ``WEIGHT_BLOCK_K`` elements: 16 b
 bf16, half a sector; a wider K tile would need more registers, see below). ``Br`` is
 written segment-major (a ``[..., nseg, K]`` buffer returned as its ``[..., K, nseg]``
 transpose) so that the check kernel reads a segment's ``Br`` contiguously.
-Accumulation is fp32 throughout; no host synchronisation, ``B`` is only read.
+Sums along N are fp32, the aggregates over K fp64; no host synchronisation, ``B`` is only read.
 
 The result differs from the torch reference only by float summation order (see
 ``sdc_guard.kernels.vabft_triton`` for the tolerance this implies).
@@ -88,7 +90,7 @@ N_PARTIALS = 4
 
 @triton.jit
 def _weight_partials_kernel(
-    b_ptr, r_ptr, br_ptr, part_ptr,
+    b_ptr, r_ptr, br_ptr, babs_ptr, part_ptr,
     K, N, nseg, k_chunk, n_chunks, n_batch, batch1, stride_r,
     stride_b0, stride_b1, stride_bk, stride_bn, stride_brb, stride_brk, stride_brs,
     HAS_WEIGHT: tl.constexpr, SEG: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -105,13 +107,14 @@ def _weight_partials_kernel(
     width = tl.minimum(N - seg * SEG, SEG).to(tl.float32)
     if HAS_WEIGHT:
         r = tl.load(r_ptr + cols.to(tl.int64) * stride_r, mask=col_ok, other=0.0).to(tl.float32)
-    p1 = tl.zeros((BLOCK_K,), tl.float32)
-    p2 = tl.zeros((BLOCK_K,), tl.float32)
-    v = tl.zeros((BLOCK_K,), tl.float32)
-    norm_sq = tl.zeros((BLOCK_K,), tl.float32)
+    p1 = tl.zeros((BLOCK_K,), tl.float64)
+    p2 = tl.zeros((BLOCK_K,), tl.float64)
+    v = tl.zeros((BLOCK_K,), tl.float64)
+    norm_sq = tl.zeros((BLOCK_K,), tl.float64)
     k_start = chunk * k_chunk
     k_end = tl.minimum(k_start + k_chunk, K)
     br_base = br_ptr + batch.to(tl.int64) * stride_brb + seg * stride_brs
+    babs_base = babs_ptr + batch.to(tl.int64) * stride_brb + seg * stride_brs
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_end
@@ -121,14 +124,17 @@ def _weight_partials_kernel(
         if HAS_WEIGHT:
             x = x * r[None, :]
         row_sum = tl.sum(x, axis=1)
+        abs_sum = tl.sum(tl.abs(x), axis=1)
         mu = tl.div_rn(row_sum, width)
         hi = tl.where(k_ok, tl.max(tl.where(mask, x, -float("inf")), axis=1), 0.0)
         lo = tl.where(k_ok, tl.min(tl.where(mask, x, float("inf")), axis=1), 0.0)
-        peak = tl.maximum(tl.abs(hi), tl.abs(lo))
+        peak = tl.maximum(tl.abs(hi), tl.abs(lo)).to(tl.float64)
         tl.store(br_base + ks.to(tl.int64) * stride_brk, row_sum, mask=k_ok)
-        p1 += tl.where(k_ok, tl.abs(mu), 0.0)
-        p2 += tl.where(k_ok, mu * mu, 0.0)
-        v += tl.where(k_ok, tl.abs((hi - mu) * (mu - lo)), 0.0)
+        tl.store(babs_base + ks.to(tl.int64) * stride_brk, abs_sum, mask=k_ok)
+        mu64, hi64, lo64 = mu.to(tl.float64), hi.to(tl.float64), lo.to(tl.float64)
+        p1 += tl.where(k_ok, tl.abs(mu64), 0.0)
+        p2 += tl.where(k_ok, mu64 * mu64, 0.0)
+        v += tl.where(k_ok, tl.abs((hi64 - mu64) * (mu64 - lo64)), 0.0)
         norm_sq += peak * peak
     part = part_ptr + (batch * n_chunks + chunk).to(tl.int64) * nseg + seg
     plane = n_batch * n_chunks * nseg
@@ -152,10 +158,10 @@ def _weight_finish_kernel(
     batch = pid // nseg
     seg = pid % nseg
     plane = n_batch * n_chunks * nseg
-    p1 = 0.0
-    p2 = 0.0
-    v = 0.0
-    norm_sq = 0.0
+    p1 = tl.zeros((), tl.float64)
+    p2 = tl.zeros((), tl.float64)
+    v = tl.zeros((), tl.float64)
+    norm_sq = tl.zeros((), tl.float64)
     for chunk in range(0, n_chunks):
         part = part_ptr + (batch * n_chunks + chunk).to(tl.int64) * nseg + seg
         p1 += tl.load(part)
@@ -166,7 +172,7 @@ def _weight_finish_kernel(
     tl.store(p1_ptr + pid, p1)
     tl.store(p2_ptr + pid, p2)
     tl.store(v_ptr + pid, v)
-    tl.store(norm_ptr + pid, tl.sqrt_rn(norm_sq))
+    tl.store(norm_ptr + pid, tl.sqrt(norm_sq))
     tl.store(bad_ptr + pid, (~finite).to(tl.uint8))
     width = tl.minimum(N - seg * SEG, SEG).to(tl.float32)
     tl.store(widths_ptr + seg, width, mask=batch == 0)
@@ -200,16 +206,17 @@ def triton_weight_side(
     # Br is [..., K, nseg] stored segment-major, so that a segment's column is contiguous:
     # the check kernel's loads of Br along K then coalesce, and so do the stores here.
     br = torch.empty((*bshape, nseg, k), dtype=torch.float32, device=dev).transpose(-1, -2)
-    part = torch.empty((N_PARTIALS, n_batch, n_chunks, nseg), dtype=torch.float32, device=dev)
+    babs = torch.empty((*bshape, nseg, k), dtype=torch.float32, device=dev).transpose(-1, -2)
+    part = torch.empty((N_PARTIALS, n_batch, n_chunks, nseg), dtype=torch.float64, device=dev)
     p1, p2, v, col_norm = (
-        torch.empty((*bshape, nseg), dtype=torch.float32, device=dev) for _ in range(4)
+        torch.empty((*bshape, nseg), dtype=torch.float64, device=dev) for _ in range(4)
     )
     bad = torch.empty((*bshape, nseg), dtype=torch.bool, device=dev)
     widths = torch.empty((nseg,), dtype=torch.float32, device=dev)
     r = checksum_weight if checksum_weight is not None else b  # dummy pointer when unused
     with on_device(dev):
         _weight_partials_kernel[(n_batch * nseg, n_chunks)](
-            b, r, br, part,
+            b, r, br, babs, part,
             k, n, nseg, chunk, n_chunks, n_batch, batch1,
             checksum_weight.stride(0) if checksum_weight is not None else 0,
             strides[0], strides[1], b.stride(-2), b.stride(-1), k * nseg, br.stride(-2), br.stride(-1),
@@ -220,4 +227,4 @@ def triton_weight_side(
             part, p1, p2, v, col_norm, bad.view(torch.uint8), widths,
             n, nseg, n_chunks, n_batch, SEG=SEGMENT,
         )
-    return WeightSide(br, p1, p2, v, col_norm, bad, widths, k, n)
+    return WeightSide(br, babs, p1, p2, v, col_norm, bad, widths, k, n)

@@ -1,13 +1,21 @@
-"""V-ABFT math (VABFT.md) in portable PyTorch: weight side, row statistics, threshold, check.
+"""V-ABFT's screen (docs/ALGORITHM.md) in portable PyTorch: weight side, row statistics, threshold.
 
 This module is the reference every backend is compared against. It computes, for
 ``C = alpha * A @ B + beta * bias`` and every (row, 256-column segment):
 
 - ``D``: the checksum difference ``|sum r*C - alpha * A @ Br - beta * sum r*bias|`` in fp32;
-- ``T``: the variance-adaptive threshold from A and B statistics only (never from C, so a
-  corrupted C cannot move its own threshold);
+- ``T``: the threshold, from A and B only (never from C, so a corrupted C cannot move its
+  own threshold): the variance-adaptive V-ABFT bracket times ``e_eff`` (accumulation
+  error), plus ``u_C |alpha| (|A| @ |B|r)`` (C's own rounding, which follows C's magnitude
+  where the bracket's independence model does not: sparse rows, mean-shifted columns),
+  plus the bias's rounding and an underflow floor. The bracket is evaluated in fp64 from
+  statistics that are never squared in fp32, so no finite input underflows or overflows
+  it and a power-of-two scaling of A (and C) scales D and T exactly;
 - which segments cannot be judged (non-finite inputs) and which non-finite results may be
   a legitimate overflow (fp16 AMP overflows are routine; GradScaler handles them).
+
+This is the *screen*: a segment it flags is a suspect, which ``sdc_guard.confirm`` then
+settles exactly before anything acts on it.
 
 It never writes to its inputs and never synchronises an accelerator with the host, so the
 dispatch mode can call it on every GEMM and read the flags once per step. (On CPU, where
@@ -24,7 +32,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from .precision import C_ROBUST, SEGMENT, TINY, UNIT_ROUNDOFF, bias_rounding, overflow_limit
+from .precision import SEGMENT, UNIT_ROUNDOFF, bias_rounding, element_floor, overflow_limit
 
 
 from .comp_row import decode_comp_row, encode_comp_row
@@ -41,7 +49,6 @@ from .passes import (
 )
 from .segments import (
     _extrema32,
-    _extrema_variance,
     _segment_constants,
     _sum32,
     _weighted,
@@ -59,19 +66,28 @@ __all__ = [
 ]
 
 
+def extrema_variance64(mu: Tensor, hi: Tensor, lo: Tensor) -> Tensor:
+    """Bhatia-Davis bound ``|(max - mu)(mu - min)|`` in fp64: never below the true
+    variance. The differences and the product are taken in fp64, where the product of two
+    fp32 values is exact and cannot underflow or overflow (fp32 squares leave fp32's range
+    below 1e-19 and above 1e19: attention probabilities and their gradients live there)."""
+    return ((hi.double() - mu.double()) * (mu.double() - lo.double())).abs()
+
+
 @dataclass(frozen=True)
 class WeightSide:
     """What V-ABFT needs from ``B`` (and the checksum weight): O(KN) once per weight.
 
     Cacheable for as long as ``B`` does not change (a parameter between optimizer steps).
-    ``br`` is ``[..., K, nseg]``; the aggregates are ``[..., nseg]``.
+    ``br`` and ``babs`` are ``[..., K, nseg]`` fp32; the aggregates are ``[..., nseg]`` fp64.
     """
 
     br: Tensor  #: ``Br[k, s] = sum_{n in s} r[n] B[k, n]`` (fp32)
-    p1: Tensor  #: ``sum_k |muB[k, s]|``
-    p2: Tensor  #: ``sum_k muB[k, s]^2``
-    v: Tensor  #: ``sum_k varB[k, s]``
-    col_norm: Tensor  #: ``sqrt(sum_k max_{n in s} (r[n] B[k, n])^2)`` >= every column norm in s
+    babs: Tensor  #: ``(|B| r)[k, s] = sum_{n in s} |r[n] B[k, n]|`` (fp32)
+    p1: Tensor  #: ``sum_k |muB[k, s]|`` (fp64)
+    p2: Tensor  #: ``sum_k muB[k, s]^2`` (fp64)
+    v: Tensor  #: ``sum_k varB[k, s]`` (fp64)
+    col_norm: Tensor  #: ``sqrt(sum_k max_{n in s} (r[n] B[k, n])^2)`` >= every column norm in s (fp64)
     bad: Tensor  #: bool: a non-finite value of B lies in the segment
     widths: Tensor  #: fp32 ``n_s``
     k: int
@@ -80,42 +96,38 @@ class WeightSide:
     @property
     def nbytes(self) -> int:
         """Memory held, for the cache's bound."""
-        return sum(t.numel() * t.element_size() for t in (self.br, self.p1, self.p2, self.v,
+        return sum(t.numel() * t.element_size() for t in (self.br, self.babs, self.p1, self.p2, self.v,
                                                            self.col_norm, self.bad))
 
     @cached_property
-    def _factors(self) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
-        """Per-segment factors of the threshold's bracket, ``[..., 1, nseg]``, and the
-        scale of ``|muA|`` in the mean term (see ``_bracket``): computed once per
-        encoding, so that a cached weight costs a call none of this."""
+    def _factors(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Per-segment factors of the threshold's bracket, fp64 ``[..., 1, nseg]`` (see
+        ``_bracket``): computed once per encoding, so that a cached weight costs a call
+        none of this."""
         n_s = self.widths
         if n_s.dim() == 1 and n_s.shape[0] == num_segments(self.n):
             _, c_sqrt_n, c_n, sqrt_n = _segment_constants(self.n, n_s.device)
+            w64 = c_n / 4.0
         else:  # an encoding built elsewhere with its own widths
-            sqrt_n = torch.sqrt(n_s)
-            c_sqrt_n, c_n = C_ROBUST * sqrt_n, C_ROBUST * n_s
+            w64 = n_s.double()
+            sqrt_n = torch.sqrt(w64)
+            c_sqrt_n, c_n = 4.0 * sqrt_n, 4.0 * w64
         sqrt_v = torch.sqrt(self.v)
-        f_mean, mu_scale = n_s * self.p1, 1.0
-        # n_s P1 can overflow where (n_s |muA|) P1 need not: then keep VABFT.md's order,
-        # (256 |muA|) (P1 n_s / 256), which is n_s |muA| P1 exactly on full segments.
-        # (A host read: once per encoding, and only on CPU.)
-        if self.p1.device.type != "cpu" or not (f_mean.numel() == 0 or math.isfinite(float(f_mean.amax()))):
-            f_mean, mu_scale = self.p1 * (n_s / SEGMENT), float(SEGMENT)
+        f_mean = w64 * self.p1
         f_cross_mu = c_sqrt_n * sqrt_v
         f_cross_sd = c_n * torch.sqrt(self.p2)
         f_spread = sqrt_n * sqrt_v
-        factors = tuple(f.unsqueeze(-2) for f in (f_mean, f_cross_mu, f_cross_sd, f_spread))
-        return (*factors, mu_scale)  # type: ignore[return-value]
+        return tuple(f.unsqueeze(-2) for f in (f_mean, f_cross_mu, f_cross_sd, f_spread))  # type: ignore[return-value]
 
     @cached_property
     def _floors(self) -> dict[torch.dtype, Tensor]:
-        """``n_s * tiny(C's dtype)`` per C dtype, filled on first use."""
+        """``n_s * element_floor(K, C's dtype)`` (fp64) per C dtype, filled on first use."""
         return {}
 
     def _floor(self, c_dtype: torch.dtype) -> Tensor:
         floor = self._floors.get(c_dtype)
         if floor is None:
-            floor = self._floors[c_dtype] = self.widths * TINY[c_dtype]
+            floor = self._floors[c_dtype] = self.widths.double() * element_floor(self.k, c_dtype)
         return floor
 
 
@@ -138,33 +150,42 @@ def weight_side(b: Tensor, checksum_weight: Tensor | None = None) -> WeightSide:
         if bw.dtype != torch.float32:
             bw = bw.float()  # bf16/fp16 reductions into fp32 take a slow path on CPU
         br = segment_reduce(bw, _sum32)
+        babs = segment_reduce(bw.abs(), _sum32)
         hi, lo = segment_reduce_many(bw, _extrema32)
     else:
-        br, hi, lo = stats
+        br, babs, hi, lo = stats
     if br.stride(-2) != 1 and br.shape[-2] > 1:
         # Segment-major, like the column-major pass produces: MKL's skinny GEMM A @ Br is
         # up to 3x faster with Br's columns contiguous (1024 x 256 x 4: 45 against 127 us).
         br = br.mT.contiguous().mT
+    if babs.stride(-2) != 1 and babs.shape[-2] > 1:
+        babs = babs.mT.contiguous().mT
     mu = br / widths
-    var = _extrema_variance(mu, hi, lo)
-    p1 = mu.abs().sum(-2)
-    p2 = (mu * mu).sum(-2)
+    var = extrema_variance64(mu, hi, lo)
+    mu64 = mu.double()
+    p1 = mu64.abs().sum(-2)
+    p2 = (mu64 * mu64).sum(-2)
     v = var.sum(-2)
     # max(|hi|, |lo|) is max(hi, -lo), as hi >= lo (and NaN propagates alike)
-    col_norm = torch.maximum(hi, -lo).square().sum(-2).sqrt()
+    col_norm = torch.maximum(hi, -lo).double().square().sum(-2).sqrt()
     # x - x is 0 exactly where x is finite, NaN elsewhere: one op where isfinite is four
     bad = ((p1 - p1) + (v - v)) != 0
-    return WeightSide(br, p1, p2, v, col_norm, bad, widths, k, n)
+    return WeightSide(br, babs, p1, p2, v, col_norm, bad, widths, k, n)
 
 
 @dataclass(frozen=True)
 class RowStats:
-    """Row statistics of ``A`` over k (fp32, ``[..., M]``)."""
+    """Row statistics of ``A`` over k, ``[..., M]``."""
 
-    mu: Tensor
-    var: Tensor
-    norm: Tensor  #: ``sqrt(K (var + mu^2))`` >= ``||A[m, :]||_2`` (Bhatia-Davis): bounds |C|
+    mu: Tensor  #: fp32 row mean
+    sd: Tensor  #: fp64 ``sqrt(|(max - mu)(mu - min)|)``: the Bhatia-Davis bound of the standard deviation
+    norm: Tensor  #: fp64 ``sqrt(K (sd^2 + mu^2))`` >= ``||A[m, :]||_2`` (Bhatia-Davis): bounds |C|
     bad: Tensor  #: bool: a non-finite value lies in the row
+
+    @property
+    def var(self) -> Tensor:
+        """The Bhatia-Davis variance bound (fp64)."""
+        return self.sd * self.sd
 
 
 def _row_moments(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -182,74 +203,94 @@ def _row_moments(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 def _finish_rows(k: int, mu: Tensor, hi: Tensor, lo: Tensor) -> RowStats:
     """``RowStats`` (``[..., M]``) from a row mean, max and min (``[..., M, 1]``)."""
     mu, hi, lo = mu.squeeze(-1), hi.squeeze(-1), lo.squeeze(-1)
-    var = _extrema_variance(mu, hi, lo)
+    var = extrema_variance64(mu, hi, lo)
     # The mean square is at most var + mu^2 because var bounds the true variance: a
     # norm bound for free, where an exact norm would be one more pass over A.
-    norm = torch.sqrt(k * (var + mu * mu))
+    mu64 = mu.double()
+    norm = torch.sqrt(k * (var + mu64 * mu64))
     bad = ~(torch.isfinite(mu) & torch.isfinite(var))
-    return RowStats(mu, var, norm, bad)
+    return RowStats(mu, var.sqrt(), norm, bad)
 
 
 def row_stats(a: Tensor) -> RowStats:
-    """Mean, Bhatia-Davis variance and a 2-norm bound of each row of ``a`` (``[..., M, K]``).
+    """Mean, Bhatia-Davis standard deviation and a 2-norm bound of each row of ``a`` (``[..., M, K]``).
 
     >>> row_stats(torch.tensor([[1.0, 3.0]])).var.tolist()
     [1.0]
     """
     if a.shape[-1] == 0:
         zeros = torch.zeros(a.shape[:-1], dtype=torch.float32, device=a.device)
-        return RowStats(zeros, zeros, zeros, torch.zeros_like(zeros, dtype=torch.bool))
+        z64 = zeros.double()
+        return RowStats(zeros, z64, z64, torch.zeros_like(zeros, dtype=torch.bool))
     return _finish_rows(a.shape[-1], *_row_moments(a))
 
 
-def effective_e_max(e_max: float, k: int, c_dtype: torch.dtype) -> float:
-    """``e_eff``: the NPU operator's scaling of ``e_max`` with ``K``, floored at C's roundoff.
+def effective_e_max(e_max: float, k: int, c_dtype: torch.dtype | None = None) -> float:
+    """``e_eff``: the NPU operator's scaling of ``e_max`` with ``K``, ``e_max * 6 * sqrt(K / 1024)``.
 
-    ``e_max * 6 * sqrt(K / 1024)`` models accumulation error, which grows with ``K``. The
-    final rounding of C to its dtype does not shrink with ``K``: each element may move by
-    up to ``u_C`` of its value, and the bracket of the threshold is at least the segment's
-    ``sum |C|`` (its mean term alone is, when means dominate). Without the floor ``u_C``,
-    bf16 GEMMs with ``K < 432`` raise false alarms on mean-shifted data (measured: D/T 1.57
-    at K = 64); with it, even every element rounding the same way stays below T. This is
-    sdc_guard's one deliberate addition to the operator's formula; it never binds for
-    fp32 C, nor for fp16 C at the default e_max unless K < 7.
+    It models accumulation error, which grows with ``K``. (C's own final rounding, which
+    does not shrink with ``K``, has its own term in the threshold: ``u_C |A| @ |B|r``.)
+    ``c_dtype`` is accepted for the callers of the earlier signature and not used.
 
-    >>> effective_e_max(1e-3, 1024, torch.float32)
+    >>> effective_e_max(1e-3, 1024)
     0.006
-    >>> effective_e_max(1e-3, 64, torch.bfloat16) == 2.0**-8
-    True
     """
-    return max(e_max * 6.0 * math.sqrt(k / 1024.0), UNIT_ROUNDOFF[c_dtype])
+    return e_max * 6.0 * math.sqrt(k / 1024.0)
 
 
-def _bracket(mu: Tensor, var: Tensor, ws: WeightSide) -> Tensor:
-    """The bracket of VABFT.md's threshold for row statistics ``[..., M, 1]``:
+def _bracket(mu: Tensor, sd: Tensor, ws: WeightSide) -> Tensor:
+    """The bracket of the threshold for row statistics ``[..., M, 1]`` (mean fp32, sd fp64), fp64:
 
     ``n_s |muA| P1 + c sqrt(n_s) hypot(|muA| sqrt(V), sqrt(n_s) sdA sqrt(P2)) + sqrt(n_s) sdA sqrt(V)``
 
-    with the segment factors folded in ahead (``WeightSide._factors``). The cross term is
-    a ``hypot`` so that no intermediate overflows fp32 before the result would (large but
-    finite inputs must not get T = inf).
+    with the segment factors folded in ahead (``WeightSide._factors``). In fp64 every
+    product of an A statistic and a B factor is exact to rounding and inside the range,
+    for any finite fp32 operands: no scale of the inputs underflows or overflows it.
     """
-    f_mean, f_cross_mu, f_cross_sd, f_spread, mu_scale = ws._factors
-    mu_abs = mu.abs()
-    sd = torch.sqrt(var)
-    out = (mu_abs * mu_scale if mu_scale != 1.0 else mu_abs) * f_mean
+    f_mean, f_cross_mu, f_cross_sd, f_spread = ws._factors
+    mu_abs = mu.double().abs()
+    out = mu_abs * f_mean
     out += torch.hypot(mu_abs * f_cross_mu, sd * f_cross_sd)
     return out.addcmul_(sd, f_spread)
 
 
 def vabft_threshold(rows: RowStats, ws: WeightSide, e_max: float, c_dtype: torch.dtype) -> Tensor:
-    """``T[..., m, s]`` of VABFT.md without the underflow floor and the bias term."""
-    bracket = _bracket(rows.mu.unsqueeze(-1), rows.var.unsqueeze(-1), ws)
-    return bracket.mul_(effective_e_max(e_max, ws.k, c_dtype))
+    """The bracket part of ``T[..., m, s]`` (fp64): ``e_eff * bracket``, without C's
+    rounding, the bias term and the underflow floor."""
+    bracket = _bracket(rows.mu.unsqueeze(-1), rows.sd.unsqueeze(-1), ws)
+    return bracket.mul_(effective_e_max(e_max, ws.k))
+
+
+def threshold64(mu: Tensor, hi: Tensor, lo: Tensor, rabs: Tensor, ws: WeightSide, e_max: float, alpha: float,
+                c_dtype: torch.dtype, bias_abs: Tensor | None = None, rounding: float = 1.0) -> Tensor:
+    """``T`` in fp64 from A's row mean, max, min (``[..., M, 1]``), ``|A| @ Babs``
+    (``[..., M, nseg]``), the weight side and the bias's ``|beta| sum |r bias|``:
+
+    ``|alpha| e_eff bracket + rounding u_C |alpha| (|A| @ Babs) + bias_rounding sum |beta r bias| + n_s floor``
+
+    (``rounding``: 1 for the default screen, less for the tight one, ``precision.SCREENS``).
+    """
+    sd = extrema_variance64(mu, hi, lo).sqrt()
+    t = _bracket(mu, sd, ws).mul_(abs(alpha) * effective_e_max(e_max, ws.k))
+    t.add_(rabs.double(), alpha=rounding * abs(alpha) * UNIT_ROUNDOFF[c_dtype])
+    t.add_(ws._floor(c_dtype))
+    if bias_abs is not None:
+        t.add_(bias_abs.double(), alpha=bias_rounding(c_dtype))
+    return t
+
+
+def to_threshold32(t: Tensor) -> Tensor:
+    """``T`` as fp32 for comparison with the fp32 ``D`` (rounded to nearest). A T past
+    fp32's range becomes inf: every finite D passes there, as nothing the fp32 checksum
+    sees can be told from rounding at that scale."""
+    return t.float()
 
 
 @dataclass(frozen=True)
 class AbftCheck:
-    """Per-(row, segment) outcome of one V-ABFT check, all tensors ``[..., M, nseg]``.
+    """Per-(row, segment) outcome of one V-ABFT screen, all tensors ``[..., M, nseg]``.
 
-    ``ok`` is the operator's bit (``D <= T`` and finite). The other masks say why a
+    ``ok`` is the screen's bit (``D <= T`` and finite). The other masks say why a
     failed bit is not corruption: ``inputs_bad`` (a non-finite A row, B segment or bias:
     unverifiable) and ``possible_overflow`` (finite inputs, non-finite result, magnitudes
     large enough for a legitimate overflow). ``diff`` and ``threshold`` are ``None`` for
@@ -269,7 +310,7 @@ class AbftCheck:
 
     @property
     def sdc(self) -> Tensor:
-        """Segments whose failure can only be corruption (conservative: zero false alarms)."""
+        """Segments the screen suspects of corruption (to be confirmed: ``sdc_guard.confirm``)."""
         return ~self.ok & ~self.inputs_bad & ~self.possible_overflow
 
     @property
@@ -303,15 +344,18 @@ def vabft_check(
     alpha: float = 1.0,
     beta: float = 1.0,
     weight: WeightSide | None = None,
+    rounding: float = 1.0,
 ) -> AbftCheck:
-    """Check ``c == alpha * a @ b + beta * bias`` (VABFT.md), all on ``c``'s device.
+    """Screen ``c == alpha * a @ b + beta * bias`` (docs/ALGORITHM.md), all on ``c``'s device.
 
     Operands are assumed validated (``verify.check_operands``); batch dims broadcast as in
-    ``torch.matmul``. ``weight`` is a cached ``weight_side(b, checksum_weight)``.
+    ``torch.matmul``. ``weight`` is a cached ``weight_side(b, checksum_weight)``;
+    ``rounding`` the share of C's worst-case rounding term (``precision.SCREENS``).
 
-    Cost: one blocked read each of A and C (and of B without ``weight``), a few dozen
-    small ops on ``[M, nseg]``. On CPU, where reading a flag costs nothing, a check that
-    passes everywhere skips building the masks that explain failures.
+    Cost: one blocked read each of A and C (and of B without ``weight``), the two skinny
+    products ``A @ Br`` and ``|A| @ Babs``, a few dozen small ops on ``[M, nseg]``. On
+    CPU, where reading a flag costs nothing, a check that passes everywhere skips
+    building the masks that explain failures.
 
     >>> a, b = torch.randn(4, 64), torch.randn(64, 300)
     >>> bool(vabft_check(a, b, a @ b, e_max=2e-5).ok.all())
@@ -330,10 +374,10 @@ def vabft_check(
     if k and n and a.shape[-2] and ws.br.dim() == 2 and a.shape[:-2] == batch:
         # Rows are independent: any batch of A against one B is one [rows, K] product.
         a2, c2 = (a, c) if not batch else (a.reshape(-1, k), c.reshape(-1, n))
-        mu, hi, lo, reference, c_sum = _row_pass(a2, c2, ws.br, weight32)
+        mu, hi, lo, reference, rabs, c_sum = _row_pass(a2, c2, ws.br, ws.babs, weight32)
         if batch:
-            mu, hi, lo, reference, c_sum = (t.unflatten(0, (*batch, a.shape[-2]))
-                                            for t in (mu, hi, lo, reference, c_sum))
+            mu, hi, lo, reference, rabs, c_sum = (t.unflatten(0, (*batch, a.shape[-2]))
+                                                  for t in (mu, hi, lo, reference, rabs, c_sum))
     else:
         if k:
             mu, hi, lo = _row_moments(a)
@@ -345,18 +389,17 @@ def vabft_check(
             # batched GEMV (attention with N <= 256): MKL's bmm with one column costs 4x
             # an elementwise product and a row sum (32 x 128 x 128: 200 against 42 us)
             reference = (fa * ws.br.mT).sum(-1, keepdim=True)
+            rabs = (fa.abs() * ws.babs.mT).sum(-1, keepdim=True)
         else:
             reference = _times_br(fa, ws.br)
-    var = _extrema_variance(mu, hi, lo)
+            rabs = _times_br(fa.abs(), ws.babs)
     if alpha != 1.0:
         reference = reference * alpha
-    floor = ws._floor(c.dtype)
     bias_sum = bias_abs = None
     if bias is not None and beta != 0.0:
         bias_sum, bias_abs = _bias_sums(bias, n, checksum_weight, beta)
         reference = reference + beta * bias_sum
-        floor = floor + bias_rounding(c.dtype) * bias_abs
-    threshold = torch.add(floor, _bracket(mu, var, ws), alpha=abs(alpha) * effective_e_max(e_max, ws.k, c.dtype))
+    threshold = to_threshold32(threshold64(mu, hi, lo, rabs, ws, e_max, alpha, c.dtype, bias_abs, rounding))
     diff = (c_sum - reference).abs_()
     ok = diff <= threshold
     if c.device.type == "cpu" and diff.numel():

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from . import native
 from .abft import AbftCheck, WeightSide, vabft_check, weight_side
-from .ledger import summarize
+from .ledger import clear_summary, summarize
 
 ENV_BACKEND = "SDC_GUARD_BACKEND"
 
@@ -41,6 +41,7 @@ class GemmRequest:
     alpha: float = 1.0
     beta: float = 1.0
     weight: WeightSide | None = None  #: cached weight-side encoding of ``b``, if any
+    rounding: float = 1.0  #: share of C's worst-case rounding term in T (``precision.SCREENS``)
 
     @property
     def device(self) -> torch.device:
@@ -69,11 +70,12 @@ class Backend:
         any backend accepts any backend's encoding. Used by the weight cache on a miss."""
         return weight_side(b, checksum_weight)
 
-    def summarize(self, req: GemmRequest) -> tuple[Tensor | None, Tensor | list[float]]:
-        """Verify ``req`` and keep what the guard keeps of it (``ledger.summarize``): the
-        sdc mask (``None`` when clear) and the four-number summary. A backend that knows
-        on the host that a check came out clear may skip building its ``AbftCheck``."""
-        return summarize(self.check(req))
+    def summarize(self, req: GemmRequest, cached: bool = False) -> tuple[Tensor | None, Tensor | list[float]]:
+        """Screen ``req``, confirm its flags and keep what the guard keeps of it
+        (``ledger.summarize``): the confirmed-corruption mask (``None`` when clear) and the
+        summary. ``cached``: ``req.weight`` came from the weight cache. A backend that
+        knows on the host that a check came out clear may skip building its ``AbftCheck``."""
+        return summarize(req, self.check(req), cached)
 
 
 class TorchBackend(Backend):
@@ -84,7 +86,7 @@ class TorchBackend(Backend):
     def check(self, req: GemmRequest) -> AbftCheck:
         return vabft_check(
             req.a, req.b, req.c, req.checksum_weight, e_max=req.e_max, bias=req.bias,
-            alpha=req.alpha, beta=req.beta, weight=req.weight,
+            alpha=req.alpha, beta=req.beta, weight=req.weight, rounding=req.rounding,
         )
 
 
@@ -153,13 +155,13 @@ class CpuBackend(Backend):
     def encode(self, b: Tensor, checksum_weight: Tensor | None = None) -> WeightSide:
         return native.native_weight_side(b, checksum_weight)
 
-    def summarize(self, req: GemmRequest) -> tuple[Tensor | None, Tensor | list[float]]:
+    def summarize(self, req: GemmRequest, cached: bool = False) -> tuple[Tensor | None, Tensor | list[float]]:
         """A clear check's outputs go to scratch memory (``native.native_clear``); anything
-        else is checked again in full (failures are rare)."""
+        else is checked again in full (failures are rare) and its flags confirmed."""
         worst = native.native_clear(req, self._scratch)  # None where not covered, too
         if worst is not None:
-            return None, [0.0, worst, 0.0, 0.0]
-        return summarize(self.check(req))
+            return None, clear_summary(worst)
+        return summarize(req, self.check(req), cached)
 
 
 _registry: list[Backend] = []

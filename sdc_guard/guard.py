@@ -27,12 +27,13 @@ from . import backends
 from .backends import Backend, GemmRequest
 from .cache import WeightCache
 from .intercept import Gemm, GemmInterceptor, SiteTracker, current_phase
-from .precision import SUPPORTED_DTYPES, resolve_e_max
+from .precision import SUPPORTED_DTYPES, check_screen, resolve_e_max, resolve_screen
 from .ledger import Pending, StepLedger
 from .report import KindKey, StepReport
 from .policy import Policy, Responder, StepOutcome
 from .sampling import Full, Sampler, SiteKey, sampler_watches
 from .snapshot import SnapshotStore
+from .stats import ScreenStats
 
 #: Next step number per model, so per-step ``protect()`` blocks continue one schedule.
 _next_step: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
@@ -80,9 +81,12 @@ class Guard:
         policy: Policy | None = None,
         snapshots: SnapshotStore | None = None,
         metrics: MetricsSink | None = None,
+        stats: bool = False,
+        screen: str = "default",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        self.screen = check_screen(screen)
         if backend is not None:
             backends.get(backend)
         if e_max is not None:
@@ -93,6 +97,10 @@ class Guard:
             raise TypeError(f"policy: expected a sdc_guard.Policy, got {type(policy).__name__}")
         if snapshots is not None and not isinstance(snapshots, SnapshotStore):
             raise TypeError(f"snapshots: expected a sdc_guard.SnapshotStore, got {type(snapshots).__name__}")
+        if not isinstance(stats, bool):
+            raise TypeError(f"stats: expected a bool, got {type(stats).__name__}")
+        #: per-site screen D/T statistics (``protect(stats=True)``), else ``None``
+        self.screen_stats: ScreenStats | None = ScreenStats() if stats else None
         self.model = model
         self.policy = policy if policy is not None else Policy()
         self.snapshots = snapshots
@@ -110,12 +118,13 @@ class Guard:
         self._mode: GemmInterceptor | None = None
         self._active = False  #: interception asked for (activate/deactivate)
         self._watching = True  #: the open step's GEMMs are to be seen (the sampler's call)
+        self._watched_last = False  #: the previous step was watched (its writes were observed)
         self._paused = False  #: inside an optimizer step known to run no GEMM
         self._optimizers = OptimizerSteps(self)
         self._step_open = False
         self._warned: set[str] = set()
         self._backend_choice: dict[tuple, Backend] = {}
-        self._e_max_choice: dict[tuple, float] = {}
+        self._e_max_choice: dict[tuple, tuple[float, float]] = {}
         self._ledger = StepLedger()
 
     # --- step lifecycle ------------------------------------------------------------------
@@ -155,7 +164,10 @@ class Guard:
         if self._watching:
             if not rerun:
                 self.cache.set_parameters(self.model.parameters())
+                if not self._watched_last:  # writes in unwatched steps went unobserved
+                    self.cache.invalidate()
             self._sites.start()
+        self._watched_last = self._watching
         self._step_open = True
         self._sync_mode()
 
@@ -172,7 +184,8 @@ class Guard:
         self._step_open = False
         if not keep_empty and self._watching and self._ledger.seen == 0 and not self._ledger.unverified:
             return None  # a block that ran no GEMM (an unwatched step is still a step)
-        report = self._ledger.report(self.step_index, self._attempt, self.rank, watched=self._watching)
+        report = self._ledger.report(self.step_index, self._attempt, self.rank, watched=self._watching,
+                                     stats=self.screen_stats)
         self.reports.append(report)
         self._publish("observe_report", report)
         if report.attempt == 0:
@@ -236,6 +249,7 @@ class Guard:
         if self._active:
             raise RuntimeError("this Guard is already active")
         self._active = True
+        self.cache.invalidate()  # whatever was written while inactive went unobserved
         self._optimizers.install()
         self._sync_mode()
 
@@ -283,6 +297,32 @@ class Guard:
         """Count a GEMM-bearing op that cannot be verified."""
         self._ledger.unverifiable(op)
 
+    def on_write(self, tensors: list[Tensor]) -> None:
+        """Called by the dispatch mode with the tensors an op wrote: a parameter written by
+        the program needs its cached encoding remade (``sdc_guard.cache``)."""
+        cache = self.cache
+        stale = []
+        for t in tensors:
+            try:
+                ptr = t.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):  # a tensor without a storage of its own
+                continue
+            if cache.holds(ptr):
+                stale.append(ptr)
+        if stale:
+            cache.invalidate(stale)
+
+    def refresh_weights(self, params: list[Tensor] | None = None) -> None:
+        """Re-encode the cached weights of ``params`` (all with ``None``) now, while their
+        value is known good: right after an optimizer step wrote them."""
+        if params is not None:
+            self.cache.invalidate(p.untyped_storage().data_ptr() for p in params)
+        if torch._C._len_torch_dispatch_stack() == 0:
+            self.cache.refresh()
+        else:
+            with _disable_current_modes():  # the encoding's own ops are not the model's
+                self.cache.refresh()
+
     def on_gemm(self, gemm: Gemm) -> None:
         """Called by the dispatch mode for every GEMM: sample, verify, keep flags on device."""
         if not self._watching:
@@ -316,15 +356,16 @@ class Guard:
 
     def _verify(self, gemm: Gemm) -> tuple[Tensor | None, Tensor | list[float]]:
         key = (gemm.a.device, gemm.a.dtype)
-        e_max = self._e_max_choice.get(key)
-        if e_max is None:
-            e_max = self._e_max_choice[key] = resolve_e_max(self.e_max, gemm.a.dtype, gemm.a.device)
+        choice = self._e_max_choice.get(key)
+        if choice is None:
+            choice = self._e_max_choice[key] = resolve_screen(self.screen, self.e_max, gemm.a.dtype, gemm.a.device)
+        e_max, rounding = choice
         backend = self._choose_backend(gemm, e_max)
         # the operator re-reads B itself; the others take the cached encoding
         weight = self.cache.get(gemm.b, encode=backend.encode) if backend.name != "npu" else None
         req = GemmRequest(gemm.a, gemm.b, gemm.out, e_max, bias=gemm.bias, alpha=gemm.alpha, beta=gemm.beta,
-                          weight=weight)
-        return backend.summarize(req)
+                          weight=weight, rounding=rounding)
+        return backend.summarize(req, cached=weight is not None)
 
     def _choose_backend(self, gemm: Gemm, e_max: float) -> Backend:
         """The backend for GEMMs like this one, chosen once per kind of call: device,
@@ -412,6 +453,8 @@ class OptimizerSteps:
             self._depth[id(optimizer)] = depth
             return
         guard = self.guard
+        # foreach and fused optimizers write parameters without bumping their versions
+        guard.refresh_weights([p for group in optimizer.param_groups for p in group["params"]])
         if guard._paused:
             guard._paused = False
             guard._sync_mode()
@@ -448,6 +491,8 @@ def protect(
     metrics: MetricsSink | None = None,
     history: int = 100,
     cache_bytes: int = 512 << 20,
+    stats: bool = False,
+    screen: str = "default",
 ) -> Guard:
     """Verify the GEMMs ``model`` runs inside the block, forward and backward.
 
@@ -461,7 +506,11 @@ def protect(
     in memory every 50 steps). Pass the same sampler, policy and snapshot store to
     successive per-step blocks so that their state carries over; ``metrics`` receives
     every report and outcome (``sdc_guard.metrics.GuardMetrics`` exports them to
-    Prometheus); ``cache_bytes`` bounds the weight-side cache.
+    Prometheus); ``cache_bytes`` bounds the weight-side cache; ``stats=True`` records the
+    screen's D/T per site over the run in ``guard.screen_stats`` (``sdc_guard.stats``: how
+    far the threshold sits from this model's data); ``screen`` chooses the screen's
+    threshold, ``"default"`` or ``"tight"`` (``sdc_guard.precision.SCREENS``: the tight one
+    sees smaller errors and suspects more clean products, each cleared exactly).
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     >>> with protect(model) as guard:
@@ -470,4 +519,5 @@ def protect(
     (5, 5, 0)
     """
     return Guard(model, sampler=sampler, e_max=e_max, backend=backend, history=history,
-                 cache_bytes=cache_bytes, policy=policy, snapshots=snapshots, metrics=metrics)
+                 cache_bytes=cache_bytes, policy=policy, snapshots=snapshots, metrics=metrics, stats=stats,
+                 screen=screen)

@@ -15,8 +15,11 @@ import torch
 from torch import Tensor
 
 from .abft import AbftCheck
+from .confirm import candidates, confirm
+from .precision import SEGMENT
 from .report import Detection, GemmCounts, KindKey, StepReport
 from .sampling import SiteKey, StepCosts
+from .stats import ScreenStats
 
 
 @dataclass
@@ -28,10 +31,27 @@ class Pending:
     call_index: int
     shape: tuple[int, ...]
     dtype: torch.dtype
-    sdc: Tensor | None  #: bool [..., M, nseg]; None for a clear check (nothing failed)
-    #: any sdc, worst D/T, any possible overflow, any unverifiable failure: fp32 [4] on the
-    #: device, or the same four numbers already on the host (a clear CPU check)
+    sdc: Tensor | None  #: bool [..., M, nseg], confirmed corruption; None for a clear check
+    #: ``SUMMARY`` numbers: fp32 on the device, or already on the host (a clear CPU check)
     summary: Tensor | list[float]
+
+    @property
+    def segments(self) -> int:
+        """(row, segment)s the screen checked."""
+        *batch, m, _, n = self.shape
+        count = m * -(-n // SEGMENT)
+        for size in batch:
+            count *= size
+        return count
+
+
+#: What ``summarize`` keeps of a check, in order: any confirmed corruption, worst D/T, any
+#: legitimate overflow, any unverifiable failure, the screen's unconfirmed flags (misses),
+#: any corruption of the GEMM itself (not only of a weight at rest)
+SUMMARY = ("corrupted", "worst", "overflow", "unverifiable", "misses", "gemm")
+#: the summary of a clear check with worst ratio ``w``
+def clear_summary(worst: float) -> list[float]:
+    return [0.0, worst, 0.0, 0.0, 0.0, 0.0]
 
 
 class Clock:
@@ -65,33 +85,37 @@ class Clock:
         return self.seconds + gpu
 
 
-def summarize(check: AbftCheck) -> tuple[Tensor | None, Tensor | list[float]]:
-    """Device-side reduction of one check: (sdc mask, [any sdc, worst D/T, any overflow, any unverifiable]).
+def summarize(req: object, check: AbftCheck, cached: bool = False) -> tuple[Tensor | None, Tensor | list[float]]:
+    """Device-side reduction of one check of ``req``, after confirming its flags
+    (``sdc_guard.confirm``): (confirmed-corruption mask, ``SUMMARY`` numbers).
 
-    A ``clear`` check (CPU: every segment passed, all finite) has nothing to reduce but its
-    worst ratio (given by the native backend, else read on the host, where that costs
-    nothing), and no sdc mask (``None``: all False); its summary stays on the host.
-    Twenty ops fewer per GEMM.
+    A ``clear`` check (CPU: every segment passed, all finite) has nothing to confirm or
+    reduce but its worst ratio (given by the native backend, else read on the host, where
+    that costs nothing), and no mask (``None``: all False); its summary stays on the
+    host. ``cached``: the check used a cached weight encoding (a cleared flag is then
+    tested for a stale one: a weight corrupted at rest).
     """
     if check.clear and check.diff is not None and check.threshold is not None:
         worst = check.worst_ratio
         if worst is None:
             worst = float((check.diff / check.threshold).amax()) if check.diff.numel() else 0.0
-        return None, [0.0, worst, 0.0, 0.0]
-    sdc = check.sdc
+        return None, clear_summary(worst)
     ratio = check.ratio
+    conf = confirm(req, check.ok, check.inputs_bad, ratio, cached=cached)
+    corrupted = conf.corrupted
+    misses = candidates(check.ok, check.inputs_bad) & ~corrupted & ~conf.overflow
     if ratio is None:
-        worst = torch.full((), float("nan"), device=sdc.device)
+        worst = torch.full((), float("nan"), device=corrupted.device)
     else:
         # Non-finite D (corruption to Inf/NaN) counts as an infinite ratio; segments that
-        # are unverifiable or may have overflowed legitimately do not count.
-        valid = ~check.inputs_bad & ~check.possible_overflow
+        # are unverifiable or legitimately overflowed do not count.
+        valid = ~check.inputs_bad & ~conf.overflow
         ratio = torch.nan_to_num(ratio, nan=float("inf"))
         worst = torch.where(valid, ratio, 0.0).amax() if ratio.numel() else ratio.new_zeros(())
-    summary = torch.stack([sdc.any().float(), worst.float(), check.possible_overflow.any().float(),
-                           (~check.ok & check.inputs_bad).any().float()])
-    return sdc, summary
-
+    summary = torch.stack([corrupted.any().float(), worst.float(), conf.overflow.any().float(),
+                           (~check.ok & check.inputs_bad).any().float(), misses.sum().float(),
+                           conf.sdc.any().float()])
+    return corrupted, summary
 
 
 class StepLedger:
@@ -130,13 +154,18 @@ class StepLedger:
         return StepCosts(report.step, report.step_seconds, report.verify_seconds,
                          dict(self.site_seconds), dict(self.site_calls))
 
-    def report(self, step: int, attempt: int, rank: int, *, watched: bool = True) -> StepReport:
-        """Read the flags (the one host synchronisation of the step) into a report."""
+    def report(self, step: int, attempt: int, rank: int, *, watched: bool = True,
+               stats: ScreenStats | None = None) -> StepReport:
+        """Read the flags (the one host synchronisation of the step) into a report; with
+        ``stats``, record every verified GEMM's worst D/T and flag in it."""
         summaries = read_summaries([p.summary for p in self.pending])  # the one host sync
+        if stats is not None:
+            for p, s in zip(self.pending, summaries):
+                stats.observe(p.site, s[1], s[0] > 0 or s[4] > 0)
         step_seconds = time.perf_counter() - self.started
         verify_seconds = self.clock.total()
         detections = [
-            detection(step, p, s[1], rank)
+            detection(step, p, s[1], rank, "gemm" if s[5] > 0 else "weight")
             for p, s in zip(self.pending, summaries)
             if s[0] > 0
         ]
@@ -152,6 +181,7 @@ class StepLedger:
             overflow=sum(1 for s in summaries if s[2] > 0),
             unverifiable=sum(1 for s in summaries if s[3] > 0),
             worst_ratio=max(ratios, default=0.0), sites_seen=len(self.sites_seen),
+            screen_misses=int(sum(s[4] for s in summaries)), segments=sum(p.segments for p in self.pending),
             sites_verified=len({p.site for p in self.pending}), rank=rank,
             by_kind=dict(self.by_kind), attempt=attempt, watched=watched,
         )
@@ -176,11 +206,11 @@ def read_summaries(summaries: list[Tensor | list[float]]) -> list[list[float]]:
     return out
 
 
-def detection(step: int, p: Pending, ratio: float, rank: int) -> Detection:
+def detection(step: int, p: Pending, ratio: float, rank: int, kind: str = "gemm") -> Detection:
     assert p.sdc is not None, "a flagged check has its mask"
     mask = p.sdc.reshape(-1, *p.sdc.shape[-2:]).any(0)
     rows = torch.nonzero(mask.any(-1)).flatten().tolist()
     segments = torch.nonzero(mask.any(-2)).flatten().tolist()
     site, phase, op = p.site
     return Detection(step, site, op, phase, rows, segments, ratio, p.shape,
-                     str(p.dtype).removeprefix("torch."), p.call_index, rank)
+                     str(p.dtype).removeprefix("torch."), p.call_index, rank, kind)

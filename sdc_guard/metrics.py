@@ -176,7 +176,13 @@ class GuardMetrics:
         kind = ("op", "phase", "dtype")
         self._gemms_seen = c("sdc_guard_gemms_seen", "GEMMs seen (first runs).", *kind)
         self._gemms_verified = c("sdc_guard_gemms_verified", "GEMMs verified (first runs).", *kind)
-        self._gemms_flagged = c("sdc_guard_gemms_flagged", "GEMMs whose check found corruption (first runs).", *kind)
+        self._gemms_flagged = c("sdc_guard_gemms_flagged",
+                                "GEMMs whose check found corruption, confirmed exactly (first runs).", *kind)
+        self._screen_misses = c("sdc_guard_screen_misses",
+                                "(row, segment)s the screen flagged that the exact confirmation cleared "
+                                "(a clean product suspected; never acted on), re-executions included.").labels(rank=r)
+        self._segments = c("sdc_guard_segments_checked",
+                           "(row, segment)s the screen checked, re-executions included.").labels(rank=r)
         self._gemms_unverifiable = c("sdc_guard_gemms_unverifiable",
                                      "GEMM-bearing ops that could not be verified (first runs).").labels(rank=r)
         self._site_flagged = c("sdc_guard_site_gemms_flagged",
@@ -198,7 +204,8 @@ class GuardMetrics:
         self._step_flagged = g("sdc_guard_step_flagged", "1 if the last step flagged a GEMM, else 0.")
         self._overhead = g("sdc_guard_overhead_ratio", "Verification time / step time without it, last step.")
         self._worst_ratio = g("sdc_guard_worst_check_ratio",
-                              "Largest D/T of the last step's verified GEMMs (above 1 is a detection).")
+                              "Largest screen D/T of the last step's verified GEMMs (above 1: the screen flagged; "
+                              "only a confirmed flag is a detection).")
         self._last_detection_step = g("sdc_guard_last_detection_step", "Step of the last detection (-1: none).")
         self._last_detection_step.set(-1)
         self._last_detection_time = g("sdc_guard_last_detection_timestamp_seconds",
@@ -219,6 +226,8 @@ class GuardMetrics:
         now = time.time()
         self._verify_seconds.inc(max(report.verify_seconds, 0.0))
         self._step_seconds.inc(max(report.step_seconds, 0.0))
+        self._screen_misses.inc(max(report.screen_misses, 0))
+        self._segments.inc(max(report.segments, 0))
         self._last_report_time.set(now)
         if report.attempt > 0:
             self._reexecutions.inc()

@@ -99,18 +99,19 @@ def native_weight_side(b: Tensor, checksum_weight: Tensor | None = None, threads
     enc = _encode(ext, b, checksum32(checksum_weight), _threads(threads, force_threads))
     if enc is None:
         return weight_side(b, checksum_weight)
-    return BufferWeightSide(b, *enc)
+    return BufferWeightSide(b, enc)
 
 
-def _encode(ext: types.ModuleType, b: Tensor, r: Tensor | None, threads: int) -> tuple[Tensor, float] | None:
+def _encode(ext: types.ModuleType, b: Tensor, r: Tensor | None, threads: int) -> Tensor | None:
     """The weight side of ``b`` into one new buffer (``weight_side_of`` takes it apart):
-    ``Br`` [bt, nseg, K], max and min [2, bt, nseg, K], the 8 aggregate planes
-    [8, bt, nseg] (fp32) and ``bad`` [bt, nseg] (bytes); with ``mu_scale``."""
+    ``Br`` and ``Babs`` [bt, nseg, K], max and min [2, bt, nseg, K] (fp32), the 8 aggregate
+    planes [8, bt, nseg] (fp64) and ``bad`` [bt, nseg] (bytes)."""
     bb = ws_batch(b)
     if bb is None:
         return None
     buf = torch.empty(encoding_bytes(bb[0], b.shape[-2], -(-b.shape[-1] // SEGMENT)), dtype=torch.uint8)
-    return buf, encode_at(ext, b, r, threads, bb, buf.data_ptr())
+    encode_at(ext, b, r, threads, bb, buf.data_ptr())
+    return buf
 
 
 # --- check -----------------------------------------------------------------------------
@@ -176,7 +177,7 @@ def native_check(req: object, threads: int | None = None, force_threads: bool = 
     if call.bias is not None:
         bias_sum, bias_abs = _bias_sums(call.bias, call.n, call.r, req.beta)  # type: ignore[attr-defined]
     mu, hi, lo = (t.unsqueeze(-1) for t in rows)
-    ws = call.ws if enc is None else weight_side_of(tuple(req.b.shape), enc, call.mu_scale)  # type: ignore[attr-defined]
+    ws = call.ws if enc is None else weight_side_of(tuple(req.b.shape), enc)  # type: ignore[attr-defined]
     return explain_failures(ok, diff, threshold, call.k, mu, hi, lo, ws,
                             req.alpha, req.c.dtype, bias_sum, bias_abs)  # type: ignore[attr-defined]
 

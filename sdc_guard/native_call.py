@@ -20,19 +20,27 @@ from torch import Tensor
 
 from .abft import WeightSide, effective_e_max, weight_side
 from .batching import batch_strides, collapse_batch, contiguous_strides
-from .precision import SEGMENT, TINY, bias_rounding
+from .precision import SEGMENT, UNIT_ROUNDOFF, bias_rounding, element_floor
 from .segments import _segment_constants
 
 __all__ = [
     "BufferWeightSide", "C_CONSTANTS", "Call", "DTYPE_CODE", "Prepared", "bias_args", "buffer_geometry",
-    "checksum32", "encode_at", "encoding_bytes", "flat_args", "layout", "prepared", "weight_reason", "weight_side_of",
-    "ws_batch",
+    "checksum32", "encode_at", "encoding_bytes", "factor_offsets", "flat_args", "layout", "prepared",
+    "threshold_args", "weight_reason", "weight_side_of", "ws_batch",
 ]
 
 #: dtype -> the kernel's dtype code
 DTYPE_CODE: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-#: constants per C dtype: (TINY, bias_rounding)
-C_CONSTANTS: dict[torch.dtype, tuple[float, float]] = {dt: (TINY[dt], bias_rounding(dt)) for dt in DTYPE_CODE}
+#: constants per C dtype: (unit roundoff, bias_rounding)
+C_CONSTANTS: dict[torch.dtype, tuple[float, float]] = {dt: (UNIT_ROUNDOFF[dt], bias_rounding(dt)) for dt in DTYPE_CODE}
+
+
+def threshold_args(e_max: float, k: int, alpha: float, c_dtype: torch.dtype,
+                   rounding: float = 1.0) -> tuple[float, float, float]:
+    """The kernel's (scale, round, floor): ``|alpha| e_eff``, ``rounding |alpha| u_C`` and
+    ``element_floor(K)``, the three constants of T besides the bias (abft.threshold64)."""
+    u_c = C_CONSTANTS[c_dtype][0]
+    return abs(alpha) * effective_e_max(e_max, k), rounding * abs(alpha) * u_c, element_floor(k, c_dtype)
 
 def weight_reason(b: Tensor, checksum_weight: Tensor | None) -> str | None:
     if b.device.type != "cpu":
@@ -70,28 +78,39 @@ def ws_batch(b: Tensor) -> tuple[int, int] | None:
 def encoding_bytes(bt: int, k: int, nseg: int) -> int:
     """Bytes of an encoding buffer (its layout: ``native._encode``)."""
     big, small = bt * nseg * k, bt * nseg
-    return 4 * (3 * big + 8 * small) + small
+    return 16 * big + 64 * small + small
+
+
+def _offsets(big: int, small: int) -> tuple[int, int, int, int, int, int]:
+    """Byte offsets in an encoding buffer of ``Br``, ``Babs``, max, min (fp32 [bt, nseg, K]
+    each), the 8 fp64 aggregate planes [8, bt, nseg] and ``bad`` [bt, nseg]."""
+    return 0, 4 * big, 8 * big, 12 * big, 16 * big, 16 * big + 64 * small
+
+
+def factor_offsets(big: int, small: int) -> tuple[int, ...]:
+    """Byte offsets of the four fp64 factor planes (aggregate planes 4-7)."""
+    agg = _offsets(big, small)[4]
+    return tuple(agg + 8 * small * j for j in range(4, 8))
 
 
 def encode_at(ext: types.ModuleType, b: Tensor, r: Tensor | None, threads: int, bb: tuple[int, int],
-               p: int) -> float:
-    """The weight side of ``b`` (batch count and stride ``bb``) into the buffer at ``p``;
-    returns ``mu_scale``."""
+              p: int) -> None:
+    """The weight side of ``b`` (batch count and stride ``bb``) into the buffer at ``p``."""
     bt, sbb = bb
     k, n = b.shape[-2], b.shape[-1]
     nseg = -(-n // SEGMENT)
-    big, small = bt * nseg * k, bt * nseg
-    return ext.weight_side(
+    o_br, o_babs, o_hi, o_lo, o_agg, o_bad = _offsets(bt * nseg * k, bt * nseg)
+    ext.weight_side(
         b.data_ptr(), DTYPE_CODE[b.dtype], bt, k, n, sbb, b.stride(-2), b.stride(-1),
-        r.data_ptr() if r is not None else 0, p, p + 4 * big, p + 8 * big,
-        p + 12 * big, p + 4 * (3 * big + 8 * small), threads,
+        r.data_ptr() if r is not None else 0, p + o_br, p + o_babs, p + o_hi, p + o_lo, p + o_agg, p + o_bad,
+        threads,
     )
 
 
-def weight_side_of(shape: tuple[int, ...], buf: Tensor, mu_scale: float) -> WeightSide:
+def weight_side_of(shape: tuple[int, ...], buf: Tensor) -> WeightSide:
     """The ``WeightSide`` of an encoding buffer (``native._encode``) of a ``b`` of
-    ``shape``: ``br`` segment-major (as ``abft`` stores it) and its threshold factors
-    precomputed."""
+    ``shape``: ``br`` and ``babs`` segment-major (as ``abft`` stores them) and the
+    threshold factors precomputed."""
     k, n = shape[-2], shape[-1]
     nseg = -(-n // SEGMENT)
     bshape = tuple(shape[:-2])
@@ -101,17 +120,18 @@ def weight_side_of(shape: tuple[int, ...], buf: Tensor, mu_scale: float) -> Weig
     small = big // k
     # few torch calls (each costs a microsecond or two; this runs once per encoding):
     # one unbind for the eight aggregate planes, one for the four factor views
-    nfloat = 3 * big + 8 * small
-    floats = buf[: 4 * nfloat].view(torch.float32)
+    o_br, o_babs, _, _, o_agg, o_bad = _offsets(big, small)
+    floats = buf[: o_agg].view(torch.float32)
     br = floats[:big].view(*bshape, nseg, k)
-    agg = floats[3 * big:].view(8, *bshape, nseg)
+    babs = floats[big: 2 * big].view(*bshape, nseg, k)
+    agg = buf[o_agg: o_bad].view(torch.float64).view(8, *bshape, nseg)
     p1, p2, v, col_norm = agg[:4].unbind(0)
-    bad = buf[4 * nfloat:].view(torch.bool).view(*bshape, nseg)
+    bad = buf[o_bad:].view(torch.bool).view(*bshape, nseg)
     widths = _segment_constants(n, buf.device)[0]
-    ws = WeightSide(br.mT, p1, p2, v, col_norm, bad, widths, k, n)
+    ws = WeightSide(br.mT, babs.mT, p1, p2, v, col_norm, bad, widths, k, n)
     # the factors of the threshold's bracket, computed by the kernel exactly as
     # WeightSide._factors computes them (a cached_property: its slot is the instance dict)
-    ws.__dict__["_factors"] = (*agg[4:].unsqueeze(-2).unbind(0), float(mu_scale))
+    ws.__dict__["_factors"] = tuple(agg[4:].unsqueeze(-2).unbind(0))
     return ws
 
 
@@ -129,41 +149,43 @@ class Prepared:
     the memory the pointers point into): pointers, shapes and strides of ``Br`` and of
     the four factors."""
 
-    __slots__ = ("keep", "br_ptr", "br_shape", "br_strides", "sbrs", "f_ptrs", "f_shape", "f_strides",
-                 "mu_scale", "flat")
+    __slots__ = ("keep", "br_ptr", "babs_ptr", "br_shape", "br_strides", "sbrs", "f_ptrs", "f_shape",
+                 "f_strides", "flat")
 
     @classmethod
     def of(cls, ws: WeightSide) -> "Prepared":
-        """From any backend's encoding: ``Br`` made segment-major and the factors
-        broadcast to one shape, where they are not already."""
-        br = ws.br
+        """From any backend's encoding: ``Br`` and ``Babs`` made segment-major with one
+        layout (the kernel reads both at the same offsets) and the fp64 factors broadcast
+        to one shape, where they are not already."""
+        br, babs = ws.br, ws.babs
         if br.shape[-2] > 1 and br.stride(-2) != 1:
             br = br.mT.contiguous().mT  # segment-major, as the kernel reads it
-        f_mean, f_cross_mu, f_cross_sd, f_spread, mu_scale = ws._factors
-        factors = [f.contiguous() for f in torch.broadcast_tensors(f_mean, f_cross_mu, f_cross_sd, f_spread)]
-        return cls._make((br, factors), br.data_ptr(), tuple(br.shape), tuple(br.stride()),
-                         tuple(f.data_ptr() for f in factors), tuple(factors[0].shape), tuple(factors[0].stride()),
-                         float(mu_scale))
+        if babs.stride() != br.stride():
+            babs = babs.mT.contiguous().mT
+            if babs.stride() != br.stride():
+                br, babs = br.mT.contiguous().mT, babs.mT.contiguous().mT
+        factors = [f.double().contiguous() for f in torch.broadcast_tensors(*ws._factors)]
+        return cls._make((br, babs, factors), br.data_ptr(), babs.data_ptr(), tuple(br.shape), tuple(br.stride()),
+                         tuple(f.data_ptr() for f in factors), tuple(factors[0].shape), tuple(factors[0].stride()))
 
     @classmethod
-    def of_buffer(cls, buf: Tensor, bshape: tuple[int, ...], k: int, n: int, mu_scale: float) -> "Prepared":
+    def of_buffer(cls, buf: Tensor, bshape: tuple[int, ...], k: int, n: int) -> "Prepared":
         """From a native encoding buffer: its addresses, no tensor made."""
         br_shape, br_strides, f_shape, f_strides = buffer_geometry(bshape, k, n)
         big = k * -(-n // SEGMENT)
         for size in bshape:
             big *= size
         small, p = big // k, buf.data_ptr()
-        f_ptrs = tuple(p + 4 * (3 * big + j * small) for j in range(4, 8))
-        return cls._make(buf, p, br_shape, br_strides, f_ptrs, f_shape, f_strides, float(mu_scale))
+        f_ptrs = tuple(p + o for o in factor_offsets(big, small))
+        return cls._make(buf, p, p + _offsets(big, small)[1], br_shape, br_strides, f_ptrs, f_shape, f_strides)
 
     @classmethod
-    def _make(cls, keep: object, br_ptr: int, br_shape: tuple[int, ...], br_strides: tuple[int, ...],
-              f_ptrs: tuple[int, ...], f_shape: tuple[int, ...], f_strides: tuple[int, ...],
-              mu_scale: float) -> "Prepared":
+    def _make(cls, keep: object, br_ptr: int, babs_ptr: int, br_shape: tuple[int, ...], br_strides: tuple[int, ...],
+              f_ptrs: tuple[int, ...], f_shape: tuple[int, ...], f_strides: tuple[int, ...]) -> "Prepared":
         prep = cls()
-        prep.keep, prep.br_ptr, prep.br_shape, prep.br_strides = keep, br_ptr, br_shape, br_strides
+        prep.keep, prep.br_ptr, prep.babs_ptr, prep.br_shape, prep.br_strides = keep, br_ptr, babs_ptr, br_shape, br_strides
         prep.sbrs = br_strides[-1]
-        prep.f_ptrs, prep.f_shape, prep.f_strides, prep.mu_scale = f_ptrs, f_shape, f_strides, mu_scale
+        prep.f_ptrs, prep.f_shape, prep.f_strides = f_ptrs, f_shape, f_strides
         prep.flat = len(br_shape) == 2 and len(f_shape) == 2  #: no batch dims
         return prep
 
@@ -190,22 +212,21 @@ class BufferWeightSide(WeightSide):
     makes, once. ``nbytes`` is the buffer's size (all of it stays alive).
     """
 
-    def __init__(self, b: Tensor, buf: Tensor, mu_scale: float) -> None:
+    def __init__(self, b: Tensor, buf: Tensor) -> None:
         shape, k, n = tuple(b.shape), b.shape[-2], b.shape[-1]
         object.__setattr__(self, "k", k)
         object.__setattr__(self, "n", n)
-        self.__dict__.update(_buf=buf, _shape=shape, _mu_scale=mu_scale,
-                             _native=Prepared.of_buffer(buf, shape[:-2], k, n, mu_scale))
+        self.__dict__.update(_buf=buf, _shape=shape, _native=Prepared.of_buffer(buf, shape[:-2], k, n))
 
     @cached_property
     def _views(self) -> WeightSide:
-        return weight_side_of(self._shape, self._buf, self._mu_scale)
+        return weight_side_of(self._shape, self._buf)
 
-    br, p1, p2, v, col_norm, bad, widths = (_field(name) for name in ("br", "p1", "p2", "v", "col_norm", "bad",
-                                                                      "widths"))
+    br, babs, p1, p2, v, col_norm, bad, widths = (_field(name) for name in ("br", "babs", "p1", "p2", "v",
+                                                                            "col_norm", "bad", "widths"))
 
     @cached_property
-    def _factors(self) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
+    def _factors(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         return self._views._factors
 
     @property
@@ -281,11 +302,11 @@ def flat_args(req: object) -> tuple | None:
     if not prep.flat or m == 0 or n == 0 or k == 0:
         return None
     bias_ptr, bias_dt, sbm, sbn = bias_args(bias)
-    tiny, bias_round = C_CONSTANTS[c.dtype]
-    alpha, e_eff = req.alpha, effective_e_max(req.e_max, ws.k, c.dtype)  # type: ignore[attr-defined]
+    alpha = req.alpha  # type: ignore[attr-defined]
     return (m, n, k, 1, 1, a.data_ptr(), adt, 0, 0, sa[0], sa[1], c.data_ptr(), cdt, 0, 0, sc[0], sc[1],
-            bias_ptr, bias_dt, 0, 0, sbm, sbn, 0, prep.br_ptr, 0, 0, prep.sbrs, *prep.f_ptrs, 0, 0, prep.mu_scale,
-            abs(alpha) * e_eff, alpha, beta, tiny, bias_round)
+            bias_ptr, bias_dt, 0, 0, sbm, sbn, 0, prep.br_ptr, prep.babs_ptr, 0, 0, prep.sbrs, *prep.f_ptrs, 0, 0,
+            *threshold_args(req.e_max, ws.k, alpha, c.dtype, req.rounding), alpha, beta,  # type: ignore[attr-defined]
+            C_CONSTANTS[c.dtype][1])
 
 
 class Call:
@@ -293,7 +314,7 @@ class Call:
     ``b``'s encoding) go: ``native_check`` gives new tensors, ``native_clear`` scratch."""
 
     __slots__ = ("ext", "threads", "head", "tail", "batch", "nb", "m", "n", "nseg", "k", "bias", "r",
-                 "enc_bytes", "encode", "ws", "warm", "sf", "mu_scale")
+                 "enc_bytes", "encode", "ws", "warm", "sf")
 
     @classmethod
     def of(cls, ext: types.ModuleType, req: object, threads: int) -> "Call | None":
@@ -320,10 +341,10 @@ class Call:
         self.ws = ws
         if ws is not None:
             prep = prepared(ws)
-            self.warm = (prep.br_ptr, prep.sbrs, *prep.f_ptrs)
-            flat, self.mu_scale, kw = prep.flat, prep.mu_scale, ws.k
+            self.warm = (prep.br_ptr, prep.babs_ptr, prep.sbrs, *prep.f_ptrs)
+            flat, kw = prep.flat, ws.k
         else:
-            self.warm, flat, self.mu_scale, kw = None, b.dim() == 2, 0.0, b.shape[-2]
+            self.warm, flat, kw = None, b.dim() == 2, b.shape[-2]
         if c.dim() == 2 and flat:
             self.batch, self.nb = (), 1
             nb0 = nb1 = 1
@@ -339,7 +360,6 @@ class Call:
         self.bias = bias = req.bias if beta != 0.0 else None  # type: ignore[attr-defined]
         bias_ptr, bias_dt, sbm, sbn = bias_args(bias)
         sa, sc = a.stride(), c.stride()
-        tiny, bias_round = C_CONSTANTS[c.dtype]
         self.head = (
             m, n, k, nb0, nb1,
             a.data_ptr(), DTYPE_CODE[a.dtype], sa0, sa1, sa[-2], sa[-1],
@@ -348,8 +368,8 @@ class Call:
             r.data_ptr() if r is not None else 0,
         )
         self.sf = (sbr0, sbr1, sf0, sf1)
-        self.tail = (abs(alpha) * effective_e_max(req.e_max, kw, c.dtype),  # type: ignore[attr-defined]
-                     alpha, beta, tiny, bias_round)
+        self.tail = (*threshold_args(req.e_max, kw, alpha, c.dtype, req.rounding), alpha, beta,  # type: ignore[attr-defined]
+                     C_CONSTANTS[c.dtype][1])
         return True
 
     def args(self, enc: int) -> tuple:
@@ -357,14 +377,15 @@ class Call:
         ``b`` is encoded at ``enc`` first)."""
         if self.encode is not None:
             b, r, bb = self.encode
-            self.mu_scale = encode_at(self.ext, b, r, self.threads, bb, enc)
+            encode_at(self.ext, b, r, self.threads, bb, enc)
             big = b.shape[-2] * self.nseg * bb[0]
             small = big // b.shape[-2]
-            br_ptr, sbrs, factors = enc, b.shape[-2], [enc + 4 * (3 * big + j * small) for j in range(4, 8)]
+            br_ptr, babs_ptr, sbrs = enc, enc + _offsets(big, small)[1], b.shape[-2]
+            factors = [enc + o for o in factor_offsets(big, small)]
         else:
-            br_ptr, sbrs, *factors = self.warm
+            br_ptr, babs_ptr, sbrs, *factors = self.warm
         sbr0, sbr1, sf0, sf1 = self.sf
-        return (*self.head, br_ptr, sbr0, sbr1, sbrs, *factors, sf0, sf1, self.mu_scale, *self.tail)
+        return (*self.head, br_ptr, babs_ptr, sbr0, sbr1, sbrs, *factors, sf0, sf1, *self.tail)
 
     def run(self, enc: int, vals: int, rows: int, flags: int) -> tuple[bool, float]:
         """Encode a cold ``b`` at ``enc`` (``enc_bytes``), then check into ``vals`` (D, T:

@@ -134,10 +134,11 @@ def _times_br(fa: Tensor, br: Tensor) -> Tensor:
 
 
 def _row_pass(
-    a: Tensor, c: Tensor, br: Tensor, weight32: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    a: Tensor, c: Tensor, br: Tensor, babs: Tensor, weight32: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """One read of 2-D ``a`` ``[M, K]`` and ``c`` ``[M, N]``: A's row mean, max, min
-    (``[M, 1]``), ``A @ Br`` and C's weighted segment sums (``[M, nseg]``), all fp32.
+    (``[M, 1]``), ``A @ Br``, ``|A| @ Babs`` and C's weighted segment sums (``[M, nseg]``),
+    all fp32.
 
     A column-major A (``grad_out.t()`` of a weight gradient) is taken as one block in its
     own layout: its rows are strided, so row blocks would need transposing copies."""
@@ -153,15 +154,16 @@ def _row_pass(
             c_sum = _segment_sums_rows(_block32(block_c, 1))
         else:  # column-major C: reduce the transposed view (see segment_reduce_many)
             c_sum = segment_reduce(block_c, _sum32)
-        parts.append((*_row_extrema(fa), _times_br(fa, br), c_sum))
+        parts.append((*_row_extrema(fa), _times_br(fa, br), _times_br(fa.abs(), babs), c_sum))
     if len(parts) == 1:
         return parts[0]
     return tuple(torch.cat(p, 0) for p in zip(*parts))  # type: ignore[return-value]
 
 
-def _weight_pass(b: Tensor, weight32: Tensor | None) -> tuple[Tensor, Tensor, Tensor] | None:
-    """Segment sum, max and min ``[K, nseg]`` of 2-D ``r * b`` in one blocked read, or
-    ``None`` for a layout this pass does not walk (neither row- nor column-major)."""
+def _weight_pass(b: Tensor, weight32: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """Segment sum, sum of absolute values, max and min ``[K, nseg]`` of 2-D ``r * b`` in
+    one blocked read, or ``None`` for a layout this pass does not walk (neither row- nor
+    column-major)."""
     k, n = b.shape
     full, tail = divmod(n, SEGMENT)
     nseg = full + (1 if tail else 0)
@@ -172,7 +174,7 @@ def _weight_pass(b: Tensor, weight32: Tensor | None) -> tuple[Tensor, Tensor, Te
         # (``ones @ segment``: 1.4x faster than an outer-dim sum), the extrema outer-dim
         # reductions.
         x = b.mT
-        out = torch.empty((3, nseg, k), dtype=torch.float32, device=b.device)
+        out = torch.empty((4, nseg, k), dtype=torch.float32, device=b.device)
         kc = min(k, _KC_CAP) if cpu else k
         group = max(1, _CHUNK // (SEGMENT * kc)) if cpu else max(full, 1)
         ones = torch.ones((min(group, full), 1, SEGMENT), dtype=torch.float32, device=b.device) if full else None
@@ -194,30 +196,35 @@ def _weight_pass(b: Tensor, weight32: Tensor | None) -> tuple[Tensor, Tensor, Te
                     assert ones is not None
                     f = f.unflatten(0, (s1 - s0, SEGMENT))
                     torch.bmm(ones[: s1 - s0], f, out=out[0, s0:s1, k0:k1].unsqueeze(1))
+                    torch.bmm(ones[: s1 - s0], f.abs(), out=out[1, s0:s1, k0:k1].unsqueeze(1))
                     dim, keep = 1, False
                 else:
                     dim, keep = 0, True
                     torch.sum(f, dim, keepdim=keep, out=out[0, s0:s1, k0:k1])
-                torch.amax(f, dim, keepdim=keep, out=out[1, s0:s1, k0:k1])
-                torch.amin(f, dim, keepdim=keep, out=out[2, s0:s1, k0:k1])
-        return out[0].mT, out[1].mT, out[2].mT  # [K, nseg], segment-major
+                    torch.sum(f.abs(), dim, keepdim=keep, out=out[1, s0:s1, k0:k1])
+                torch.amax(f, dim, keepdim=keep, out=out[2, s0:s1, k0:k1])
+                torch.amin(f, dim, keepdim=keep, out=out[3, s0:s1, k0:k1])
+        return out[0].mT, out[1].mT, out[2].mT, out[3].mT  # [K, nseg], segment-major
     if b.stride(-1) == 1 or n == 1:
-        out = torch.empty((3, k, nseg), dtype=torch.float32, device=b.device)
+        out = torch.empty((4, k, nseg), dtype=torch.float32, device=b.device)
         kc = max(1, _CHUNK // n) if cpu else k
         for k0 in range(0, k, kc):
             k1 = min(k0 + kc, k)
             f = _block32(b[k0:k1], 0)
             if weight32 is not None:
                 f = f * weight32
+            fabs = f.abs()
             if full:
                 seg = f[:, : full * SEGMENT].unflatten(-1, (full, SEGMENT))
                 torch.sum(seg, -1, out=out[0, k0:k1, :full])
-                torch.amax(seg, -1, out=out[1, k0:k1, :full])
-                torch.amin(seg, -1, out=out[2, k0:k1, :full])
+                torch.sum(fabs[:, : full * SEGMENT].unflatten(-1, (full, SEGMENT)), -1, out=out[1, k0:k1, :full])
+                torch.amax(seg, -1, out=out[2, k0:k1, :full])
+                torch.amin(seg, -1, out=out[3, k0:k1, :full])
             if tail:
                 rest = f[:, full * SEGMENT :]
                 torch.sum(rest, -1, keepdim=True, out=out[0, k0:k1, full:])
-                torch.amax(rest, -1, keepdim=True, out=out[1, k0:k1, full:])
-                torch.amin(rest, -1, keepdim=True, out=out[2, k0:k1, full:])
-        return out[0], out[1], out[2]
+                torch.sum(fabs[:, full * SEGMENT :], -1, keepdim=True, out=out[1, k0:k1, full:])
+                torch.amax(rest, -1, keepdim=True, out=out[2, k0:k1, full:])
+                torch.amin(rest, -1, keepdim=True, out=out[3, k0:k1, full:])
+        return out[0], out[1], out[2], out[3]
     return None

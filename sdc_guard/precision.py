@@ -13,19 +13,38 @@ import torch
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 
-#: Absolute rounding step near zero (smallest subnormal) of the dtype C was stored in.
+#: Largest error near zero of one element of C stored in its dtype, on a device that may
+#: flush subnormal results to zero (CPUs with FTZ / DAZ, GPUs): the smallest normal number
+#: for fp32 and bf16 (which share fp32's exponent range), and the subnormal step for fp16,
+#: whose subnormals every device keeps. docs/ALGORITHM.md, "Underflow floor".
 TINY: dict[torch.dtype, float] = {
     torch.float16: 2.0**-24,
-    torch.bfloat16: 2.0**-133,
-    torch.float32: 2.0**-149,
+    torch.bfloat16: 2.0**-126,
+    torch.float32: 2.0**-126,
 }
 
-#: Unit roundoff of C's dtype, for the bias part of the threshold.
+#: Smallest normal fp32 number: what a flushing fp32 accumulator may lose per product and
+#: per addition when the values fall below it.
+FTZ_STEP = 2.0**-126
+
+#: Unit roundoff of C's dtype: the largest relative error of rounding one element into it.
 UNIT_ROUNDOFF: dict[torch.dtype, float] = {
     torch.bfloat16: 2.0**-8,
     torch.float16: 2.0**-11,
     torch.float32: 2.0**-24,
 }
+
+def element_floor(k: int, c_dtype: torch.dtype) -> float:
+    """The underflow part of one element's legitimate error: storing C near zero
+    (``TINY``) plus a flushed fp32 accumulator's loss over ``k`` products and ``k + 1``
+    additions (``(2k + 2) FTZ_STEP``). The screen's floor is ``n_s`` times this; the
+    confirmation adds it to every element's bound.
+
+    >>> element_floor(0, torch.float16) == 2.0**-24 + 2 * 2.0**-126
+    True
+    """
+    return TINY[c_dtype] + (2 * k + 2) * FTZ_STEP
+
 
 def bias_rounding(c_dtype: torch.dtype) -> float:
     """Factor of ``sum |beta * r * bias|`` added to T for a GEMM with bias.
@@ -137,6 +156,51 @@ def resolve_e_max(e_max: float | None, dtype: torch.dtype, device: torch.device)
     if e_max is None:
         return default_e_max(dtype, device)
     return check_e_max(e_max)
+
+
+#: The screens to choose from (``protect(screen=...)``, ``verify_matmul(screen=...)``):
+#: ``"default"`` bounds C's rounding by its worst case, ``u_C |A| @ |B|r``, and so suspects
+#: almost no clean product (docs/ALGORITHM.md); ``"tight"`` keeps a small share of that
+#: term and a smaller ``e_max``, and sees smaller errors, at the price of suspecting more
+#: clean products, each of which the exact confirmation then clears at a cost of
+#: ``O(K * 256)``. Neither ever acts on a suspect alone.
+SCREENS = ("default", "tight")
+#: ``e_max`` of the tight screen by input dtype (fp32 computed at full precision).
+TIGHT_E_MAX: dict[torch.dtype, float] = {
+    torch.bfloat16: 2.5e-4,
+    torch.float16: 2.5e-4,
+    torch.float32: 5e-6,
+}
+#: Share of C's worst-case rounding term the tight screen keeps.
+TIGHT_ROUNDING = 1.0 / 32
+
+
+def check_screen(screen: object) -> str:
+    """Return ``screen`` or raise naming it.
+
+    >>> check_screen("tight")
+    'tight'
+    """
+    if not isinstance(screen, str) or screen not in SCREENS:
+        raise ValueError(f"screen: expected one of {', '.join(map(repr, SCREENS))}, got {screen!r}")
+    return screen
+
+
+def resolve_screen(screen: str, e_max: float | None, dtype: torch.dtype,
+                   device: torch.device) -> tuple[float, float]:
+    """``(e_max, rounding)`` of ``screen`` for inputs of ``dtype`` on ``device``: an explicit
+    ``e_max`` wins; ``rounding`` is the share of C's worst-case rounding term kept.
+
+    >>> resolve_screen("default", None, torch.bfloat16, torch.device("cpu"))
+    (0.001, 1.0)
+    """
+    if check_screen(screen) == "default":
+        return resolve_e_max(e_max, dtype, device), 1.0
+    if e_max is not None:
+        return check_e_max(e_max), TIGHT_ROUNDING
+    if dtype == torch.float32 and fp32_matmul_is_reduced(device) and dtype not in _overrides:
+        return REDUCED_FP32_E_MAX / 4, TIGHT_ROUNDING
+    return (_overrides[dtype] / 4 if dtype in _overrides else TIGHT_E_MAX[dtype]), TIGHT_ROUNDING
 
 
 def overflow_limit(dtype: torch.dtype) -> float:

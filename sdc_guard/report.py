@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Detection:
-    """One GEMM whose check found corruption."""
+    """One GEMM whose check found corruption, confirmed by exact recomputation."""
 
     step: int
     site: str  #: module path relative to the protected model ("global" outside any module)
@@ -24,6 +24,9 @@ class Detection:
     dtype: str
     call_index: int  #: position of the GEMM among the step's GEMMs
     rank: int = 0
+    #: "gemm": the product disagrees with its operands; "weight": the product is right for
+    #: the weight in memory, but the weight changed at rest since its last observed update
+    kind: str = "gemm"
 
 
 KindKey = tuple[str, str, str]  #: (op, phase, dtype): bounded label set for metrics
@@ -45,7 +48,7 @@ class StepReport:
     step: int
     seen: int  #: GEMMs seen
     verified: int
-    flagged: int  #: GEMMs with at least one corrupted segment
+    flagged: int  #: GEMMs with at least one confirmed corrupted segment
     detections: list[Detection]
     unverified_ops: dict[str, int]  #: GEMM-bearing ops that could not be verified, by op
     verify_seconds: float
@@ -53,7 +56,7 @@ class StepReport:
     overhead: float
     overflow: int = 0  #: GEMMs with a legitimate-overflow segment (not corruption)
     unverifiable: int = 0  #: GEMMs with non-finite inputs (not corruption)
-    worst_ratio: float = 0.0  #: worst D/T over the step's verified GEMMs
+    worst_ratio: float = 0.0  #: worst screen D/T over the step's verified GEMMs
     sites_seen: int = 0
     sites_verified: int = 0
     rank: int = 0
@@ -61,6 +64,10 @@ class StepReport:
     by_kind: dict[KindKey, GemmCounts] = field(default_factory=dict)  #: counts by (op, phase, dtype)
     #: False for a step the sampler chose not to watch (no dispatch mode, so no GEMM seen)
     watched: bool = True
+    #: (row, segment)s the screen flagged that the exact confirmation did not confirm: a
+    #: clean product the screen suspected. Counted and exported, never acted on.
+    screen_misses: int = 0
+    segments: int = 0  #: (row, segment)s the screen checked
 
     @property
     def flag(self) -> bool:

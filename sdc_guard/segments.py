@@ -37,11 +37,14 @@ def segment_widths(n: int, device: torch.device | str = "cpu") -> Tensor:
 
 @lru_cache(maxsize=256)
 def _segment_constants(n: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``n_s``, ``c sqrt(n_s)``, ``c n_s`` and ``sqrt(n_s)`` for ``n`` columns, shared
-    between encodings (read-only): computed once per (N, device), not once per weight."""
+    """``n_s`` (fp32, what segment means divide by), and ``c sqrt(n_s)``, ``c n_s`` and
+    ``sqrt(n_s)`` in fp64 (the threshold's bracket is evaluated in fp64, see
+    ``abft._bracket``), for ``n`` columns, shared between encodings (read-only): computed
+    once per (N, device), not once per weight."""
     widths = segment_widths(n, device)
-    sqrt_n = torch.sqrt(widths)
-    return widths, C_ROBUST * sqrt_n, C_ROBUST * widths, sqrt_n
+    w64 = widths.double()
+    sqrt_n = torch.sqrt(w64)
+    return widths, C_ROBUST * sqrt_n, C_ROBUST * w64, sqrt_n
 
 
 Reduction = Callable[[Tensor, int], tuple[Tensor, ...]]

@@ -20,9 +20,10 @@ from torch import Tensor
 from . import backends
 from .abft import AbftCheck
 from .comp_row import encode_comp_row
+from .confirm import candidates, confirm
 from .segments import num_segments
 from .backends import GemmRequest
-from .precision import SEGMENT, check_dtype, resolve_e_max
+from .precision import check_dtype, resolve_screen
 
 KINDS = ("ok", "sdc", "overflow", "unverifiable")
 
@@ -109,13 +110,14 @@ def check_operands(
 def make_request(
     a: Tensor, b: Tensor, c: Tensor, *, checksum_weight: Optional[Tensor] = None,
     bias: Optional[Tensor] = None, alpha: float = 1.0, beta: float = 1.0,
-    e_max: Optional[float] = None,
+    e_max: Optional[float] = None, screen: str = "default",
 ) -> GemmRequest:
-    """Validate the operands and resolve ``e_max`` into a ``GemmRequest``."""
+    """Validate the operands and resolve ``e_max`` and ``screen`` into a ``GemmRequest``."""
     check_operands(a, b, c, checksum_weight=checksum_weight, bias=bias, alpha=alpha, beta=beta)
+    e_max, rounding = resolve_screen(screen, e_max, a.dtype, a.device)
     return GemmRequest(
-        a, b, c, resolve_e_max(e_max, a.dtype, a.device), checksum_weight=checksum_weight,
-        bias=bias, alpha=float(alpha), beta=float(beta),
+        a, b, c, e_max, checksum_weight=checksum_weight,
+        bias=bias, alpha=float(alpha), beta=float(beta), rounding=rounding,
     )
 
 
@@ -165,85 +167,60 @@ def abft_verify(
 class Verdict:
     """What ``verify_matmul`` found. Masks are bool ``[..., M, ceil(N/256)]``.
 
-    ``ok`` is True when no corruption was detected (a legitimate overflow or an
+    ``ok`` is True when no corruption was confirmed (a legitimate overflow or an
     unverifiable segment is not corruption); ``kind`` says which case applies, with
-    ``"sdc"`` > ``"overflow"`` > ``"unverifiable"`` > ``"ok"`` when several do.
+    ``"sdc"`` > ``"overflow"`` > ``"unverifiable"`` > ``"ok"`` when several do. ``flags``
+    are confirmed by exact recomputation (``sdc_guard.confirm``); ``screen_flags`` are what
+    the fast screen suspected, a superset where the screen saw the corruption at all.
     """
 
     ok: bool
     kind: str
-    flags: Tensor  #: True where corruption was detected
+    flags: Tensor  #: True where corruption was confirmed
     overflow: Tensor  #: True where a non-finite result is a legitimate overflow
-    unverifiable: Tensor  #: True where non-finite inputs (or a checksum overflow) prevent a verdict
-    ratio: float  #: worst D/T over verified segments (nan when the backend reports no D)
+    unverifiable: Tensor  #: True where non-finite inputs prevent a verdict
+    ratio: float  #: the screen's worst D/T over verified segments (nan when the backend reports no D)
     backend: str  #: the backend that really ran
     e_max: float
+    screen_flags: Tensor | None = None  #: True where the screen flagged (failed D <= T with finite inputs)
 
     @property
     def rows(self) -> list[int]:
         """Row indices (within the last two dims) with at least one flagged segment."""
         return torch.nonzero(self.flags.reshape(-1, *self.flags.shape[-2:]).any(0).any(-1)).flatten().tolist()
 
-
-def _exact_overflows(req: GemmRequest, cand: Tensor) -> tuple[Tensor, Tensor]:
-    """Settle candidate segments that hold non-finite C by exact fp64 recomputation.
-
-    Returns ``(overflow, c_nonfinite)``: ``overflow`` where every non-finite element of the
-    segment is a real overflow of C's dtype, ``c_nonfinite`` where there is one at all.
-    O(K) per non-finite element.
-    """
-    c = req.c
-    segment_of_col = torch.arange(c.shape[-1], device=c.device) // SEGMENT
-    bad_elems = ~torch.isfinite(c) & cand[..., segment_of_col]
-    idx = torch.nonzero(bad_elems)
-    batch, m, n = idx[:, :-2], idx[:, -2], idx[:, -1]
-    a = req.a.expand(*c.shape[:-2], *req.a.shape[-2:])
-    b = req.b.expand(*c.shape[:-2], *req.b.shape[-2:])
-    bidx = tuple(batch.T)
-    rows = a[(*bidx, m)].double()
-    cols = b[(*bidx, slice(None), n)].double() if bidx else b[:, n].T.double()
-    true = (rows * cols).sum(-1) * req.alpha
-    if req.bias is not None and req.beta != 0.0:
-        bias = req.bias.expand(c.shape)
-        true = true + req.beta * bias[(*bidx, m, n)].double()
-    genuine = true.abs() > torch.finfo(c.dtype).max * (1 - 2.0**-10)
-    not_overflow = torch.zeros(cand.shape, dtype=torch.int32, device=c.device)
-    not_overflow.index_put_((*bidx, m, n // SEGMENT), (~genuine).int(), accumulate=True)
-    has_bad = torch.zeros(cand.shape, dtype=torch.int32, device=c.device)
-    has_bad.index_put_((*bidx, m, n // SEGMENT), torch.ones_like(m, dtype=torch.int32), accumulate=True)
-    return (has_bad > 0) & (not_overflow == 0), (has_bad > 0)
+    @property
+    def screen_misses(self) -> int:
+        """Segments the screen flagged that the confirmation cleared (or did not examine)."""
+        if self.screen_flags is None:
+            return 0
+        return int((self.screen_flags & ~self.flags & ~self.overflow).sum())
 
 
-def classify(req: GemmRequest, check: AbftCheck) -> tuple[Tensor, Tensor, Tensor]:
-    """Split failed segments into (corruption, overflow, unverifiable) masks, exactly.
-
-    Host-synchronising; only does real work when some segment failed.
-    """
-    inputs_bad = check.inputs_bad
-    failed = ~check.ok & ~inputs_bad
-    empty = torch.zeros_like(failed)
-    if not bool(failed.any()):
-        return empty, empty, inputs_bad.clone()
-    overflow, c_nonfinite = _exact_overflows(req, failed)
-    sdc = failed & ~overflow
-    unverifiable = inputs_bad.clone()
-    if check.diff is not None:
-        # D non-finite over an all-finite C segment: the fp32 checksum itself overflowed.
-        checksum_overflow = failed & ~c_nonfinite & ~torch.isfinite(check.diff)
-        sdc &= ~checksum_overflow
-        unverifiable |= checksum_overflow
-    return sdc, overflow & failed, unverifiable
+def classify(req: GemmRequest, check: AbftCheck) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Confirm the screen's flags exactly and split them: (corruption, overflow,
+    unverifiable, screen flags) masks. Host-synchronising; only does real work when some
+    segment failed."""
+    inputs_bad = check.inputs_bad.clone()
+    flagged = candidates(check.ok, check.inputs_bad)
+    if not bool(flagged.any()):
+        empty = torch.zeros_like(flagged)
+        return empty, empty, inputs_bad, flagged
+    conf = confirm(req, check.ok, check.inputs_bad, check.ratio, on_host=True, limit=None)
+    return conf.sdc, conf.overflow, inputs_bad, flagged
 
 
 def verify_matmul(
     a: Tensor, b: Tensor, c: Tensor, *, bias: Optional[Tensor] = None, alpha: float = 1,
     beta: float = 1, e_max: Optional[float] = None, backend: Optional[str] = None,
-    checksum_weight: Optional[Tensor] = None,
+    checksum_weight: Optional[Tensor] = None, screen: str = "default",
 ) -> Verdict:
     """Verify ``c == alpha * a @ b + beta * bias`` and say what is wrong, where.
 
     2-D or batched (broadcast batch dims) bf16 / fp16 / fp32 operands in any layout
-    (``W.t()`` is read through its strides); ``bias`` broadcastable to ``c``.
+    (``W.t()`` is read through its strides); ``bias`` broadcastable to ``c``. The screen
+    (``screen="default"`` or ``"tight"``, ``e_max``) flags suspect segments, which are then
+    confirmed or cleared by exact recomputation: ``Verdict.flags`` are confirmed.
 
     >>> a, b = torch.randn(4, 64), torch.randn(64, 300)
     >>> c = a @ b
@@ -254,10 +231,10 @@ def verify_matmul(
     ('sdc', [2])
     """
     req = make_request(a, b, c, checksum_weight=checksum_weight, bias=bias, alpha=alpha,
-                       beta=beta, e_max=e_max)
+                       beta=beta, e_max=e_max, screen=screen)
     chosen = backends.select(req, backend)
     check = chosen.check(req)
-    flags, overflow, unverifiable = classify(req, check)
+    flags, overflow, unverifiable, screen_flags = classify(req, check)
     if bool(flags.any()):
         kind = "sdc"
     elif bool(overflow.any()):
@@ -271,18 +248,20 @@ def verify_matmul(
         verified = ~unverifiable & ~overflow & torch.isfinite(check.diff)
         if bool(verified.any()):
             ratio = float((check.diff / check.threshold)[verified].max())
-    return Verdict(kind != "sdc", kind, flags, overflow, unverifiable, ratio, chosen.name, req.e_max)
+    return Verdict(kind != "sdc", kind, flags, overflow, unverifiable, ratio, chosen.name, req.e_max, screen_flags)
 
 
 def matmul_checksum(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     """Drop-in for ``torch_npu.matmul_checksum``: 0-dim bool tensor, True = anomaly.
 
     Read-only (the legacy path's in-place "self-heal" is gone) and synchronisation-free:
-    a failed segment that may be a legitimate overflow is not reported as an anomaly.
+    the screen's flags are confirmed on the device (``sdc_guard.confirm``, a fixed number
+    of them, worst first), and a legitimate overflow is not an anomaly.
 
     >>> a, b = torch.randn(8, 64), torch.randn(64, 32)
     >>> bool(matmul_checksum(a, b, a @ b))
     False
     """
     req = make_request(a, b, c)
-    return backends.select(req).check(req).sdc.any()
+    check = backends.select(req).check(req)
+    return confirm(req, check.ok, check.inputs_bad, check.ratio).sdc.any()

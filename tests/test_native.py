@@ -172,12 +172,14 @@ def test_weight_side_matches(dtype: torch.dtype, b_layout: str) -> None:
     got, want = native.native_weight_side(b), weight_side(b)
     assert got.br.shape == want.br.shape and got.br.stride(-2) == 1
     torch.testing.assert_close(got.br, want.br, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.babs, want.babs, rtol=1e-5, atol=1e-5)
     for field in ("p1", "p2", "v", "col_norm"):
         torch.testing.assert_close(getattr(got, field), getattr(want, field), rtol=1e-5, atol=0)
     assert torch.equal(got.bad, want.bad)
-    for g, w in zip(got._factors[:4], want._factors[:4]):
+    assert len(got._factors) == len(want._factors) == 4
+    for g, w in zip(got._factors, want._factors):
+        assert g.dtype == w.dtype == torch.float64
         torch.testing.assert_close(g, w, rtol=1e-5, atol=0)
-    assert got._factors[4] == want._factors[4]
 
 
 @needs_native
@@ -191,14 +193,13 @@ def test_buffer_weight_side_reads_like_the_views_it_stands_for() -> None:
     s = native.Scratch()
     assert native.native_clear(request(a, b, a @ b, weight=ws), s) is not None
     assert "_views" not in ws.__dict__  # the check read addresses only
-    views = weight_side_of(tuple(b.shape), ws._buf, ws._mu_scale)
+    views = weight_side_of(tuple(b.shape), ws._buf)
     assert ws.nbytes == ws._buf.numel() >= views.nbytes
     assert (ws.k, ws.n) == (70, 600) and ws.br.data_ptr() == ws._buf.data_ptr()
-    for field in ("br", "p1", "p2", "v", "col_norm", "bad", "widths"):
+    for field in ("br", "babs", "p1", "p2", "v", "col_norm", "bad", "widths"):
         got, want = getattr(ws, field), getattr(views, field)
         assert got.shape == want.shape and got.stride() == want.stride() and torch.equal(got, want), field
-    assert all(torch.equal(g, w) for g, w in zip(ws._factors[:4], views._factors[:4]))
-    assert ws._factors[4] == views._factors[4]
+    assert all(torch.equal(g, w) for g, w in zip(ws._factors, views._factors))
     check = native.native_check(request(a, b, a @ b, weight=ws))  # a fresh Prepared.of(views) agrees
     again = native.native_check(request(a, b, a @ b, weight=views))
     assert torch.equal(check.diff, again.diff) and torch.equal(check.threshold, again.threshold)

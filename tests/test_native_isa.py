@@ -170,7 +170,7 @@ def results(case_file: str) -> list[dict]:
         a, b, c, r = cs["a"], cs["b"], cs["c"], cs["r"]
         got: dict = {}
         ws = native.native_weight_side(b, r, threads=threads, force_threads=force)
-        for f in ("br", "p1", "p2", "v", "col_norm", "bad"):
+        for f in ("br", "babs", "p1", "p2", "v", "col_norm", "bad"):
             got[f"ws.{f}"] = getattr(ws, f)
         for i, f in enumerate(ws._factors):
             got[f"ws.factor{i}"] = f

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from vabft_reference import SEGMENT, ReferenceCheck, as_f64, reference_check, segments  # noqa: E402
 
 from sdc_guard.abft import AbftCheck, vabft_check  # noqa: E402
+from sdc_guard.precision import element_floor  # noqa: E402
 
 T_RTOL = 1e-5
 D_RTOL = 1e-5
@@ -177,7 +178,8 @@ def test_bias_alpha_beta_match_reference(dtype: torch.dtype, alpha: float, beta:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_k_zero_threshold_is_the_underflow_floor(dtype: torch.dtype) -> None:
-    """K = 0: C must be exactly 0; T is ``n_s * tiny`` alone, so any nonzero is caught."""
+    """K = 0: C must be exactly 0; T is ``n_s * element_floor(0)`` alone, so any nonzero
+    above it is caught."""
     a, b = torch.zeros(5, 0, dtype=dtype), torch.zeros(0, 300, dtype=dtype)
     c = torch.zeros(5, 300, dtype=dtype)
     bad = c.clone()
@@ -186,7 +188,7 @@ def test_k_zero_threshold_is_the_underflow_floor(dtype: torch.dtype) -> None:
         ref = reference(a, b, candidate, None)
         check = vabft_check(a, b, candidate, e_max=E_MAX[dtype])
         assert_agrees(check, ref, accumulation_bound(a, b, candidate, None))
-    tiny = {torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24, torch.float32: 2.0**-149}[dtype]
+    tiny = element_floor(0, dtype)  # sdc_guard's floor: a flushed device's loss near zero
     np.testing.assert_allclose(ref.threshold, np.broadcast_to([256 * tiny, 44 * tiny], (5, 2)))
     assert np.argwhere(~ref.ok).tolist() == [[2, 1]]
 
@@ -194,8 +196,9 @@ def test_k_zero_threshold_is_the_underflow_floor(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_d_equal_to_t_is_ok(dtype: torch.dtype) -> None:
     """Only ``D > T`` is an error. K = 0 and a last segment one column wide make
-    ``T = tiny`` exactly; a C element of one tiny is ``D == T`` (OK), two tinies are not."""
-    tiny = {torch.bfloat16: 2.0**-133, torch.float16: 2.0**-24, torch.float32: 2.0**-149}[dtype]
+    ``T = tiny`` exactly (``element_floor(0)``, a value C's dtype holds exactly); a C
+    element of one tiny is ``D == T`` (OK), two tinies are not."""
+    tiny = element_floor(0, dtype)
     a, b = torch.zeros(3, 0, dtype=dtype), torch.zeros(0, 257, dtype=dtype)
     c = torch.zeros(3, 257, dtype=dtype)
     c[0, 256], c[1, 256] = tiny, 2 * tiny

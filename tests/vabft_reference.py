@@ -1,4 +1,4 @@
-"""Independent float64 NumPy implementation of ``docs/VABFT.md`` (2-D only).
+"""Independent float64 NumPy implementation of the V-ABFT screen (``docs/ALGORITHM.md``; 2-D only).
 
 Why it exists: ``sdc_guard.abft`` computes V-ABFT in fp32 PyTorch, and the NPU stand-in
 needs the operator's math without PyTorch kernels. Writing the formulas a second time, in
@@ -14,12 +14,13 @@ Two readings of the specification had to be made; both are stated where they are
   VABFT.md writes ``sum |beta * bias|``; the two coincide for the default all-ones ``r``,
   and only the weighted form bounds the rounding of ``sum r * out`` when ``|r| > 1``.
 
-``roundoff_floor=True`` adds sdc_guard's two documented departures from the operator:
-``e_eff`` is floored at the unit roundoff of C's dtype (``sdc_guard.abft.effective_e_max``:
-the final rounding of C does not shrink with ``K``), and the bias term also covers the
-fp32 checksum sums, ``2 (u_C + 8 u_fp32) sum |beta r bias|``
-(``sdc_guard.precision.bias_rounding``). VABFT.md does not (yet) say so; the default
-``False`` is the operator's formula.
+``roundoff_floor=True`` is sdc_guard's screen (docs/ALGORITHM.md), with its documented
+departures from the operator: the rounding of C, ``u_C |alpha| (|A| @ |B| r)`` per
+segment, is a term of its own; the underflow floor is ``n_s (tiny_C + (2K + 2) 2^-126)``
+(a device may flush subnormals: ``tiny_C`` is 2^-126 for fp32 / bf16 C); the bias term
+also covers the fp32 checksum sums, ``2 (u_C + 8 u_fp32) sum |beta r bias|``. The default
+``False`` is the operator's formula (``e_eff`` as passed, floor ``n_s`` times the
+smallest subnormal), which the NPU stand-in runs.
 """
 
 from __future__ import annotations
@@ -34,8 +35,12 @@ import numpy as np
 SEGMENT = 256
 #: Robustness constant ``c`` of the shipping NPU operator's threshold.
 C_ROBUST = 4.0
-#: Smallest subnormal of C's dtype: the underflow floor ``T_abs = n_s * tiny``.
+#: Smallest subnormal of C's dtype: the operator's underflow floor ``T_abs = n_s * tiny``.
 TINY = {"float16": 2.0**-24, "bfloat16": 2.0**-133, "float32": 2.0**-149}
+#: sdc_guard's per-element floor near zero: a flushing device loses up to the smallest normal
+#: of fp32 / bf16 C (fp16 keeps its subnormals), plus 2^-126 per product and addition.
+TINY_FTZ = {"float16": 2.0**-24, "bfloat16": 2.0**-126, "float32": 2.0**-126}
+FTZ_STEP = 2.0**-126
 #: Unit roundoff of C's dtype, for the bias rounding term.
 UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24}
 
@@ -145,14 +150,19 @@ def _check(
     name = dtype_name(c_dtype)
     mu_a, var_a = extrema_variance(a64, axis=1)  # [M]
     bias64 = None if bias is None else np.broadcast_to(as_f64(bias), (m, n))
-    e_eff = effective_e_max(e_max, k, UNIT_ROUNDOFF[name] if roundoff_floor else 0.0)
+    e_eff = effective_e_max(e_max, k)
     diffs, thresholds = [], []
     for cols in segments(n):
         n_s = float(cols.stop - cols.start)
         bw = b64[:, cols] * r[cols]  # r[n] * B[k, n]
         checksum = (c64[:, cols] * r[cols]).sum(axis=1)
         expected = alpha * (a64 @ bw.sum(axis=1))  # alpha * A @ Br
-        t = abs(alpha) * e_eff * _bracket(mu_a, var_a, bw, n_s) + n_s * TINY[name]
+        t = abs(alpha) * e_eff * _bracket(mu_a, var_a, bw, n_s)
+        if roundoff_floor:  # sdc_guard: C's rounding of its own, and a flush-aware floor
+            t = t + UNIT_ROUNDOFF[name] * abs(alpha) * (np.abs(a64) @ np.abs(bw).sum(axis=1))
+            t = t + n_s * (TINY_FTZ[name] + (2 * k + 2) * FTZ_STEP)
+        else:
+            t = t + n_s * TINY[name]
         if bias64 is not None:
             weighted_bias = bias64[:, cols] * r[cols]
             expected = expected + beta * weighted_bias.sum(axis=1)
