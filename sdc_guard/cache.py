@@ -1,25 +1,29 @@
-"""Cache of V-ABFT weight-side encodings, one per parameter view (orientation), for its latest version.
+"""Cache of V-ABFT weight-side encodings, one per parameter view (orientation), for its latest known-good state.
 
-The weight side (``Br``, ``P1``, ``P2``, ``V``; VABFT.md "Cost, and what can be cached")
-is O(KN) per call without a cache: the whole weight read again for every GEMM, which is
-what made the Ascend operator cost 186-309 % on decode shapes. A parameter does not change
-between the forward (where it arrives as ``W.t()``) and the backward (``W``) of a step, nor
-across micro-batches, nor ever during inference.
+The weight side (``Br``, ``Babs``, ``P1``, ``P2``, ``V``; docs/ALGORITHM.md) is O(KN) per
+call without a cache: the whole weight read again for every GEMM, which is what made the
+Ascend operator cost 186-309 % on decode shapes. A parameter does not change between the
+forward (where it arrives as ``W.t()``) and the backward (``W``) of a step, nor across
+micro-batches, nor ever during inference.
 
 Only tensors whose storage belongs to a registered parameter are cached: an activation's
 storage can be freed and reused at the same address with the same version counter, which
 would serve a stale encoding. Entries hold a reference to the weight view, so a cached
-storage cannot be freed and reused while its entry lives. Any in-place update (an
-optimizer step) bumps the version counter shared by every view of the parameter, so the
-next lookup misses; an out-of-band change (a bit flipped in memory) does not, which is how
-a corrupted weight is caught: the GEMM reads the corrupted weight, the check uses the
-encoding of the good one (``refresh`` after each optimizer step extends this to
-corruption at rest between steps).
+storage cannot be freed and reused while its entry lives.
 
-The flip side: a deliberate write that bypasses the version counter (``p.data.add_()``,
-a custom kernel writing into a parameter) looks exactly like a memory fault and is
-flagged. Update parameters in place under ``torch.no_grad()`` instead, call ``clear()``
-after such writes, or disable the cache (``cache_bytes=0``).
+When an encoding must be remade: an entry is made stale (``invalidate``) whenever the
+guard observes a legitimate write to its parameter, and ``refresh`` re-encodes stale
+entries at once, while the new value is known good. The guard observes every route a
+program writes a weight by: an optimizer step, plain, foreach or fused (a global
+optimizer-step post-hook while the guard is active: foreach and fused kernels do not bump
+version counters), an in-place aten op on the parameter's storage under the dispatch mode
+(``p.data.add_()``, ``torch.no_grad()`` writes, ``load_state_dict``'s ``copy_``), a bump of
+the version counter (the key of every lookup), and the start of a watched step after
+unwatched ones (whatever happened in between). What it cannot observe, a bit flipped in
+memory, leaves the encoding of the good weight in place: the GEMM then reads the flipped
+weight, the screen flags it against the good encoding, and the confirmation
+(``sdc_guard.confirm``) tells a stale encoding from a wrong product: a corruption of the
+weight at rest.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from torch import Tensor
 from .abft import WeightSide, weight_side
 
 CacheKey = tuple
+#: The version recorded for an entry made stale by ``invalidate`` (never a real version).
+_STALE = -1
 #: A weight-side encoder: ``abft.weight_side`` or a backend's ``encode``.
 Encoder = Callable[[Tensor], WeightSide]
 
@@ -88,6 +94,10 @@ class WeightCache:
         for key in [k for k in self._entries if k[0] not in self._storages]:
             self._drop(key)
 
+    def holds(self, storage: int) -> bool:
+        """Whether ``storage`` (an address) is a registered parameter's."""
+        return storage in self._storages
+
     def is_cacheable(self, b: Tensor) -> bool:
         """Whether ``b`` views a registered parameter's storage."""
         return b.untyped_storage().data_ptr() in self._storages
@@ -125,6 +135,18 @@ class WeightCache:
         self._evict()
         return encoded
 
+    def invalidate(self, storages: Iterable[int] | None = None) -> int:
+        """Make the entries of parameters whose storage address is in ``storages`` (every
+        entry with ``None``) stale: the next lookup re-encodes them, and so does
+        ``refresh``. Returns how many entries were made stale. Cheap: no tensor is read."""
+        wanted = None if storages is None else set(storages)
+        count = 0
+        for key, (version, view, encoded, encode, nbytes) in list(self._entries.items()):
+            if version != _STALE and (wanted is None or key[0] in wanted):
+                self._entries[key] = (_STALE, view, encoded, encode, nbytes)
+                count += 1
+        return count
+
     def _drop(self, key: CacheKey) -> None:
         self._bytes -= self._entries.pop(key)[4]
 
@@ -134,10 +156,11 @@ class WeightCache:
             self.stats.evictions += 1
 
     def refresh(self) -> int:
-        """Re-encode every cached view whose parameter changed version (after an optimizer
-        step), so the encoding is made while the weight is known fresh: a corruption at
-        rest before the next use is then caught. Costs nothing extra (the next use would
-        have missed and encoded anyway). Returns the number of views re-encoded.
+        """Re-encode every cached view that is stale or whose parameter changed version
+        (after an optimizer step), so the encoding is made while the weight is known
+        fresh: a corruption at rest before the next use is then caught. Costs nothing
+        extra (the next use would have missed and encoded anyway). Returns the number of
+        views re-encoded.
         """
         refreshed = 0
         for version, view, _, encode, _ in list(self._entries.values()):

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 
 from .guard import current_step
 from .intercept import GEMM_HANDLERS, GemmInterceptor, SiteTracker, current_phase
@@ -110,7 +110,8 @@ def flip_bit(x: Tensor, element: tuple[int, ...], bit: int, direction: str = "fl
     else:
         after_bits = before_bits ^ mask
     before = float(x.detach()[element])
-    raw[element] = after_bits
+    with _disable_current_modes():  # as hardware would: no dispatch mode sees the write
+        raw[element] = after_bits
     return before, float(x.detach()[element]), after_bits != before_bits
 
 

@@ -8,7 +8,11 @@ decompose into when autograd records; ``linear`` and ``matmul`` arrive undecompo
 
 The mode runs the op first and hands the untouched output to the guard: verification
 reads the GEMM's tensors and never writes them, and, since PyTorch disables a dispatch
-mode while its handler runs, verification's own ops are never intercepted.
+mode while its handler runs, verification's own ops are never intercepted. It also tells
+the guard which tensors an op wrote (the arguments its schema marks ``Tensor(a!)``), so
+that a weight written by the program (``p.data.add_()``, an optimizer step, a
+``load_state_dict``) gets its cached encoding remade, while one changed by hardware keeps
+the encoding of its good value (``sdc_guard.cache``).
 """
 
 from __future__ import annotations
@@ -190,6 +194,25 @@ class GemmSink(Protocol):
 
     def on_gemm(self, gemm: Gemm) -> None: ...
     def on_unverified(self, op: str) -> None: ...
+    def on_write(self, tensors: list[Tensor]) -> None: ...
+
+
+def written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of every argument ``func``'s schema says it writes (``Tensor(a!)``,
+    ``Tensor(a!)[]``, ``out=``): empty for a functional op."""
+    return tuple((i, arg.name) for i, arg in enumerate(func._schema.arguments)
+                 if arg.alias_info is not None and arg.alias_info.is_write)
+
+
+def _written_tensors(args: tuple, kwargs: dict, where: tuple[tuple[int, str], ...]) -> list[Tensor]:
+    out: list[Tensor] = []
+    for i, name in where:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        if isinstance(value, Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out.extend(t for t in value if isinstance(t, Tensor))
+    return out
 
 
 class GemmInterceptor(TorchDispatchMode):
@@ -199,6 +222,7 @@ class GemmInterceptor(TorchDispatchMode):
     >>> class Sink:
     ...     def on_gemm(self, g): seen.append(g.op)
     ...     def on_unverified(self, op): pass
+    ...     def on_write(self, tensors): pass
     >>> with GemmInterceptor(Sink()):
     ...     _ = torch.randn(2, 3) @ torch.randn(3, 4)
     >>> seen
@@ -218,11 +242,17 @@ class GemmInterceptor(TorchDispatchMode):
             for name in packet.overloads()
             if id(getattr(packet, name)) not in self._handlers
         }
+        self._writes: dict[int, tuple[tuple[int, str], ...]] = {}  #: per overload, what it writes
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         key = id(func)
+        writes = self._writes.get(key)
+        if writes is None:
+            writes = self._writes[key] = written_arguments(func)
+        if writes:
+            self.sink.on_write(_written_tensors(args, kwargs, writes))
         handler = self._handlers.get(key)
         if handler is not None:
             gemm = handler(args, kwargs, out)
