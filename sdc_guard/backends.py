@@ -15,6 +15,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -70,11 +71,20 @@ class Backend:
         any backend accepts any backend's encoding. Used by the weight cache on a miss."""
         return weight_side(b, checksum_weight)
 
+    def clear_worst(self, req: GemmRequest) -> float | None:
+        """The worst ``D / T`` of ``req`` when the backend knows on the host, cheaply, that
+        its check came out clear (every segment passed, everything finite), else ``None``
+        (not clear, or not known without building the ``AbftCheck``)."""
+        return None
+
     def summarize(self, req: GemmRequest, cached: bool = False) -> tuple[Tensor | None, Tensor | list[float]]:
         """Screen ``req``, confirm its flags and keep what the guard keeps of it
         (``ledger.summarize``): the confirmed-corruption mask (``None`` when clear) and the
-        summary. ``cached``: ``req.weight`` came from the weight cache. A backend that
-        knows on the host that a check came out clear may skip building its ``AbftCheck``."""
+        summary. ``cached``: ``req.weight`` came from the weight cache. A clear check known
+        on the host (``clear_worst``) skips building its ``AbftCheck``."""
+        worst = self.clear_worst(req)
+        if worst is not None:
+            return None, clear_summary(worst)
         return summarize(req, self.check(req), cached)
 
 
@@ -90,6 +100,18 @@ class TorchBackend(Backend):
         )
 
 
+@functools.cache
+def _triton_import() -> str | None:
+    """Why the Triton kernel module cannot be imported, or ``None``: tried once per process
+    (a failed import is not cached by Python, and compiling the module's source again cost
+    2 ms on every call; ``reprobe`` forgets it)."""
+    try:
+        from .kernels import vabft_triton  # noqa: F401  (imports triton)
+    except ImportError as exc:
+        return f"triton kernel not importable: {exc}"
+    return None
+
+
 class TritonBackend(Backend):
     """The fused Triton kernel of ``sdc_guard.kernels`` for CUDA tensors.
 
@@ -103,13 +125,10 @@ class TritonBackend(Backend):
         self.device_type = device_type
 
     def unavailable_reason(self) -> str | None:
-        try:
-            from .kernels import vabft_triton  # noqa: F401  (imports triton)
-        except ImportError as exc:
-            return f"triton kernel not importable: {exc}"
-        if self.device_type == "cuda" and not torch.cuda.is_available():
+        reason = _triton_import()
+        if reason is None and self.device_type == "cuda" and not torch.cuda.is_available():
             return "no CUDA device"
-        return None
+        return reason
 
     def rejects(self, req: GemmRequest) -> str | None:
         if req.device.type != self.device_type:
@@ -155,13 +174,10 @@ class CpuBackend(Backend):
     def encode(self, b: Tensor, checksum_weight: Tensor | None = None) -> WeightSide:
         return native.native_weight_side(b, checksum_weight)
 
-    def summarize(self, req: GemmRequest, cached: bool = False) -> tuple[Tensor | None, Tensor | list[float]]:
+    def clear_worst(self, req: GemmRequest) -> float | None:
         """A clear check's outputs go to scratch memory (``native.native_clear``); anything
-        else is checked again in full (failures are rare) and its flags confirmed."""
-        worst = native.native_clear(req, self._scratch)  # None where not covered, too
-        if worst is not None:
-            return None, clear_summary(worst)
-        return summarize(req, self.check(req), cached)
+        else is checked again in full by the caller (failures are rare)."""
+        return native.native_clear(req, self._scratch)  # None where not covered, too
 
 
 _registry: list[Backend] = []
@@ -171,9 +187,10 @@ def register(backend: Backend, *, first: bool = False) -> None:
     """Add ``backend`` (replacing one of the same name); ``first`` puts it in front.
 
     Used to plug in an out-of-tree implementation, and by the tests to put a stand-in
-    Ascend operator where ``torch_npu`` would be.
+    Ascend operator where ``torch_npu`` would be. Forgets every cached choice.
     """
     unregister(backend.name)
+    _chosen.clear()
     if first:
         _registry.insert(0, backend)
     else:
@@ -182,6 +199,8 @@ def register(backend: Backend, *, first: bool = False) -> None:
 
 def unregister(name: str) -> Backend | None:
     """Remove and return the backend called ``name`` (``None`` if there is none)."""
+    _chosen.clear()
+    _reasons.pop(name, None)
     for i, backend in enumerate(_registry):
         if backend.name == name:
             return _registry.pop(i)
@@ -202,13 +221,39 @@ def registered() -> list[str]:
     return [b.name for b in _registry]
 
 
+#: each backend's unavailability reason, probed once per process (``reprobe`` forgets)
+_reasons: dict[str, str | None] = {}
+#: the backend chosen per kind of call (``_kind``), for calls that name none
+_chosen: dict[tuple, Backend] = {}
+
+
+def _reason(backend: Backend) -> str | None:
+    if backend.name not in _reasons:
+        _reasons[backend.name] = backend.unavailable_reason()
+    return _reasons[backend.name]
+
+
+def reprobe() -> None:
+    """Forget every backend's availability and every cached choice: after installing or
+    removing ``triton`` / ``torch_npu``, or building the native extension, in a running
+    process."""
+    _reasons.clear()
+    _chosen.clear()
+    _triton_import.cache_clear()
+    for backend in _registry:
+        reset = getattr(backend, "reset_probe", None)
+        if reset is not None:
+            reset()
+
+
 def status() -> dict[str, str | None]:
-    """Each backend's unavailability reason (``None`` = usable in this process).
+    """Each backend's unavailability reason (``None`` = usable in this process), probed
+    once per process (``reprobe`` probes again).
 
     >>> status()["torch"] is None
     True
     """
-    return {b.name: b.unavailable_reason() for b in _registry}
+    return {b.name: _reason(b) for b in _registry}
 
 
 def available() -> list[str]:
@@ -224,18 +269,33 @@ def select(req: GemmRequest, backend: str | None = None) -> Backend:
     name = backend if backend is not None else os.environ.get(ENV_BACKEND) or None
     if name is not None:
         chosen = get(name)
-        reason = chosen.unavailable_reason() or chosen.rejects(req)
+        reason = _reason(chosen) or chosen.rejects(req)
         if reason:
             source = "backend" if backend is not None else ENV_BACKEND
             raise RuntimeError(f"{source}={name!r} cannot verify this call: {reason}")
         return chosen
+    kind = _kind(req)
+    chosen = _chosen.get(kind)
+    if chosen is not None:
+        return chosen
     reasons = []
     for candidate in _registry:
-        reason = candidate.unavailable_reason() or candidate.rejects(req)
+        reason = _reason(candidate) or candidate.rejects(req)
         if reason is None:
+            _chosen[kind] = candidate
             return candidate
         reasons.append(f"{candidate.name}: {reason}")
     raise RuntimeError("no backend can verify this call: " + "; ".join(reasons))
+
+
+def _kind(req: GemmRequest) -> tuple:
+    """What a backend's contract depends on beyond strides: device, dtypes, dims, bias,
+    alpha, a checksum weight. (The native and Triton kernels also depend on strides; a
+    call of theirs that their ``rejects`` refuses goes to the torch path inside their
+    ``check``.)"""
+    a = req.a
+    return (a.device, a.dtype, req.c.dtype, a.dim(), req.b.dim(), req.bias is not None, req.alpha == 1.0,
+            req.checksum_weight is not None)
 
 
 def _register_defaults() -> None:

@@ -12,8 +12,12 @@ positives. So detection is reported
 
 Every row of a product is an independent trial (thresholds and checksums are row-local):
 one corrupted element per row, so one check of an ``M``-row product gives ``M`` trials. A
-trial counts as detected when its (row, segment) is reported as corruption (``sdc``);
-flags on other segments are counted as false alarms.
+trial counts as detected when its (row, segment) is *confirmed* corrupted (the screen
+flagged it and the exact recomputation of ``sdc_guard.confirm`` confirmed it, as the guard
+acts on it); confirmed flags on other segments are false alarms (there must be none). Each
+screen (``--screens default,tight``) is measured on the same data, with its miss rate on
+the clean products beside it: the share of segments it suspected that the confirmation
+cleared.
 """
 
 from __future__ import annotations
@@ -33,13 +37,14 @@ from .bench_common import (
     DISTRIBUTIONS, FP16_NOTE, SHORT_NAME, Outcome, Progress, argtype, generator, machine, operands,
     parse_dtypes, parse_names, parse_shape, pct, product, resolve_device, table,
 )
-from .precision import SEGMENT, resolve_e_max
+from .confirm import confirm
+from .precision import SCREENS, SEGMENT, check_screen, resolve_screen
 
 _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 #: (first exponent bit, sign bit) per dtype; mantissa bits lie below the exponent.
 _LAYOUT = {torch.float32: (23, 31), torch.float16: (10, 15), torch.bfloat16: (7, 15)}
 DIRECTIONS = {"on": "0->1", "off": "1->0"}
-MAGNITUDES = (1e-4, 1e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 10.0, 100.0)
+MAGNITUDES = (1e-4, 1e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 2.0, 4.0, 10.0, 100.0)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,8 +59,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="data distribution: " + ", ".join(DISTRIBUTIONS) + " (default gaussian)")
     parser.add_argument("--magnitudes", default=",".join(f"{x:g}" for x in MAGNITUDES),
                         type=argtype(_floats), help="injected |error| / segment RMS of C, comma-separated")
-    parser.add_argument("--e-max", type=float, default=None, help="e_max (default: the dtype's default)")
+    parser.add_argument("--e-max", type=float, default=None, help="e_max (default: the screen's default for the dtype)")
+    parser.add_argument("--screens", default="default,tight", type=argtype(_screens),
+                        help="comma list of screens to measure: " + ", ".join(SCREENS) + " (default both)")
     parser.add_argument("--backend", default=None, help="verification backend (default: the dispatcher's choice)")
+
+
+def _screens(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    for name in names:
+        check_screen(name)
+    if not names:
+        raise ValueError(f"screens: expected a comma list of {', '.join(SCREENS)}, got {text!r}")
+    return names
 
 
 def _floats(text: str) -> list[float]:
@@ -118,9 +134,11 @@ class _Tally:
 
 def _check(backend: Any, req: GemmRequest, bad: Tensor, rows: Tensor, cols: Tensor, rms: Tensor,
            clean: Tensor, tally: _Tally) -> None:
-    """Verify corrupted ``bad`` and add its trials (one per row in ``rows``) to ``tally``."""
-    check = backend.check(replace(req, c=bad))
-    sdc = check.sdc
+    """Verify corrupted ``bad`` (screen, then confirmation) and add its trials (one per row
+    in ``rows``) to ``tally``."""
+    bad_req = replace(req, c=bad)
+    check = backend.check(bad_req)
+    sdc = confirm(bad_req, check.ok, check.inputs_bad, check.ratio, on_host=True, limit=None).corrupted
     segs = cols // SEGMENT
     hit = sdc[rows, segs]
     error = (bad[rows, cols].float() - clean[rows, cols].float()).abs()
@@ -141,19 +159,26 @@ def _flip(c: Tensor, rows: Tensor, cols: Tensor, bit: int, width: int) -> Tensor
     return bad
 
 
-def run_dtype(dtype: torch.dtype, args: argparse.Namespace, device: torch.device,
+def run_dtype(dtype: torch.dtype, screen: str, args: argparse.Namespace, device: torch.device,
               progress: Progress) -> dict[str, Any]:
     m, k, n = args.shape
     width = torch.finfo(dtype).bits
-    e_max = resolve_e_max(args.e_max, dtype, device)
+    e_max, rounding = resolve_screen(screen, args.e_max, dtype, device)
     bits = {(bit, d): _Tally() for bit in range(width) for d in DIRECTIONS}
     mags = {r: _Tally() for r in args.magnitudes}
     gen = generator(device, args.seed)
+    clean_segments = clean_suspects = clean_confirmed = 0
     for g in range(args.gemms):
         a, b = operands(args.dist, m, k, n, dtype, device, gen)
         c = product(a, b)
-        req = GemmRequest(a, b, c, e_max, weight=weight_side(b))
+        req = GemmRequest(a, b, c, e_max, weight=weight_side(b), rounding=rounding)
         backend = backends.select(req, args.backend)
+        clean = backend.check(req)
+        suspects = ~clean.ok & ~clean.inputs_bad
+        clean_segments += suspects.numel()
+        clean_suspects += int(suspects.sum())
+        clean_confirmed += int(confirm(req, clean.ok, clean.inputs_bad, clean.ratio, on_host=True,
+                                       limit=None).corrupted.sum())
         rms = _segment_rms(c)
         raw = c.view(_INT_VIEW[dtype])
         for bit in range(width):
@@ -168,12 +193,17 @@ def run_dtype(dtype: torch.dtype, args: argparse.Namespace, device: torch.device
             bad = c.clone()
             bad[rows, cols] = (c[rows, cols].float() + sign * r * rms[rows, cols // SEGMENT]).to(dtype)
             _check(backend, req, bad, rows, cols, rms, c, mags[r])
-        progress.tick(SHORT_NAME[dtype], g + 1, args.gemms)
+        progress.tick(f"{SHORT_NAME[dtype]} {screen}", g + 1, args.gemms)
     by_bit = [{"bit": bit, "field": bit_field(dtype, bit), "direction": DIRECTIONS[d], **bits[(bit, d)].as_dict()}
               for (bit, d) in bits]
     by_magnitude = [{"magnitude": r, **mags[r].as_dict()} for r in args.magnitudes]
-    return {"dtype": SHORT_NAME[dtype], "e_max": e_max, "by_bit": by_bit, "by_magnitude": by_magnitude,
-            "summary": _dtype_summary(dtype, bits, mags)}
+    summary = _dtype_summary(dtype, bits, mags)
+    summary["false_alarms"] += clean_confirmed
+    summary["clean_segments"] = clean_segments
+    summary["screen_misses"] = clean_suspects - clean_confirmed
+    summary["miss_rate"] = (clean_suspects - clean_confirmed) / clean_segments if clean_segments else 0.0
+    return {"dtype": SHORT_NAME[dtype], "screen": screen, "e_max": e_max, "rounding": rounding, "by_bit": by_bit,
+            "by_magnitude": by_magnitude, "summary": summary}
 
 
 def _pool(tallies: list[_Tally]) -> dict[str, Any]:
@@ -212,11 +242,12 @@ def render(results: list[dict[str, Any]]) -> str:
             body.append([bit, rows[bit]["field"], _rate(on), _rate(off),
                          f"{on['median_rel_error']:.2g}" if on and on["trials"] else "-",
                          f"{off['median_rel_error']:.2g}" if off and off["trials"] else "-"])
-        lines += [f"{res['dtype']} (e_max {res['e_max']:.3g}): detection by flipped bit of one element of C",
+        lines += [f"{res['dtype']}, {res['screen']} screen (e_max {res['e_max']:.3g}, rounding term x{res['rounding']:g}):"
+                  " detection by flipped bit of one element of C",
                   table(["bit", "field", "0->1", "1->0", "|err|/rms 0->1", "|err|/rms 1->0"], body,
                         align="rlrrrr"), ""]
         body = [[f"{item['magnitude']:g}", _rate(item), item["unchanged"]] for item in res["by_magnitude"]]
-        lines += [f"{res['dtype']}: detection by injected |error| / segment RMS of C",
+        lines += [f"{res['dtype']}, {res['screen']} screen: detection by injected |error| / segment RMS of C",
                   table(["|err|/rms", "detected", "rounded away"], body, align="rrr"), ""]
     lines.append("summary:")
     for res in results:
@@ -224,13 +255,14 @@ def render(results: list[dict[str, Any]]) -> str:
         top_on = s["exponent (top) 0->1"]
         mag = s["magnitude_99pct"]
         lines.append(
-            f"  {res['dtype']}: top exponent bit 0->1 {pct(top_on['rate'])} ({top_on['trials']} trials), "
+            f"  {res['dtype']} {res['screen']}: top exponent bit 0->1 {pct(top_on['rate'])} ({top_on['trials']} trials), "
             f"1->0 {pct(s['exponent (top) 1->0']['rate'])}; other exponent bits {pct(s['exponent 0->1']['rate'])} / "
             f"{pct(s['exponent 1->0']['rate'])}; sign {pct(s['sign 0->1']['rate'])} / {pct(s['sign 1->0']['rate'])}; "
             f"mantissa {pct(s['mantissa 0->1']['rate'])} / {pct(s['mantissa 1->0']['rate'])}; "
             f">= 99 % caught from |error| >= {mag:g} x segment RMS" if mag is not None else
-            f"  {res['dtype']}: top exponent bit 0->1 {pct(top_on['rate'])}; no magnitude reached 99 %")
-        lines.append(f"        false alarms on uncorrupted segments: {s['false_alarms']}")
+            f"  {res['dtype']} {res['screen']}: top exponent bit 0->1 {pct(top_on['rate'])}; no magnitude reached 99 %")
+        lines.append(f"        confirmed false alarms on uncorrupted segments: {s['false_alarms']}; screen misses on the "
+                     f"clean products {s['screen_misses']} of {s['clean_segments']} segments ({s['miss_rate']:.2g})")
     return "\n".join(lines)
 
 
@@ -244,19 +276,21 @@ def run(args: argparse.Namespace) -> Outcome:
     if args.gemms < 1:
         raise ValueError(f"gemms: expected a positive int, got {args.gemms}")
     device = resolve_device(args.device)
-    progress = Progress(len(args.dtypes), quiet=args.quiet)
+    progress = Progress(len(args.dtypes) * len(args.screens), quiet=args.quiet)
     results = []
     for dtype in args.dtypes:
-        res = run_dtype(dtype, args, device, progress)
-        results.append(res)
-        top = res["summary"]["exponent (top) 0->1"]
-        progress.step(res["dtype"], f"top exponent bit 0->1 detected {pct(top['rate'])}")
+        for screen in args.screens:
+            res = run_dtype(dtype, screen, args, device, progress)
+            results.append(res)
+            top = res["summary"]["exponent (top) 0->1"]
+            progress.step(f"{res['dtype']} {screen}", f"top exponent bit 0->1 detected {pct(top['rate'])}")
     print(render(results))
     notes = [FP16_NOTE] if torch.float16 in args.dtypes and device.type == "cpu" else []
     for note in notes:
         print(note)
     payload = {"command": "detect", "machine": machine(device),
                "settings": {"shape": list(args.shape), "gemms": args.gemms, "dist": args.dist,
-                            "magnitudes": args.magnitudes, "seed": args.seed},
+                            "magnitudes": args.magnitudes, "seed": args.seed, "screens": args.screens},
                "results": results, "notes": notes}
-    return Outcome(0, payload)
+    status = 1 if any(r["summary"]["false_alarms"] for r in results) else 0
+    return Outcome(status, payload)

@@ -5,8 +5,10 @@ checking it (``bench_common`` says how):
 
 - ``cold``: V-ABFT with the weight side computed in the call (B read again every time,
   as the Ascend operator of the proposal does), as ``protect()`` runs it
-  (``Backend.summarize``: the verdict and its summary; ``verify_matmul``, which also
-  returns D and T, costs a few microseconds more per call);
+  (``Backend.summarize``: the verdict and its summary);
+- ``verify_matmul`` and ``matmul_checksum``: the public one-call functions on the same
+  work (cold: they get no cached weight side), argument checks and result included, so
+  that what users call is measured beside what the guard runs;
 - ``warm``: V-ABFT with a cached weight-side encoding (the steady state of inference, and
   of a training step's repeated uses of one weight);
 - ``legacy``: the pure-PyTorch checksum V-ABFT replaces (``sdc_guard.legacy``);
@@ -18,9 +20,10 @@ checking it (``bench_common`` says how):
 
 Overhead is ``time / bare time``: the median over repetition rounds of each round's ratio
 (so that a slow spell, which lengthens a whole round, cancels), or with ``--stat min`` the
-ratio of the best times. The summary compares the means with the targets of issue 8 and
-with the proposal's measured figures (``ANCHORS``), and names the shapes whose memory
-floor alone is above a target.
+ratio of the best times. The summary compares the means with the targets (``TARGET_*``)
+and with the proposal's measured figures (``ANCHORS``), names the shapes whose memory
+floor alone is above a target, and checks that each one-call function stays within
+``ONE_CALL_RATIO`` of ``cold`` or ``ONE_CALL_SLACK`` seconds of it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from .bench_common import (
     resolve_device, shape_label, spread, table, time_columns,
 )
 from .legacy import legacy_check
+from .verify import matmul_checksum, verify_matmul
 from .precision import resolve_e_max
 
 #: A CPU-sized version of the proposal's shapes (RFC 3.3 and its use-case table):
@@ -54,7 +58,10 @@ SHAPE_GROUPS: dict[str, list[tuple[int, int, int]]] = {
 #: Groups the proposal runs in one dtype only: its MOE gate is fp32.
 GROUP_DTYPES: dict[str, tuple[torch.dtype, ...]] = {"moe_gate": (torch.float32,)}
 
-COLUMNS = ("cold", "warm", "legacy", "recompute")
+COLUMNS = ("cold", "warm", "verify_matmul", "matmul_checksum", "legacy", "recompute")
+#: The one-call functions must cost at most this times ``cold``, or ``ONE_CALL_SLACK`` more.
+ONE_CALL_RATIO = 1.2
+ONE_CALL_SLACK = 20e-6
 #: Rows whose times' relative interquartile range exceeds this are marked noisy.
 NOISY = 0.25
 
@@ -157,6 +164,8 @@ def measure_cell(dtype: torch.dtype, shape: tuple[int, int, int], device: torch.
         "bare": lambda: product(a, b),
         "cold": lambda: backend.summarize(req),
         "warm": lambda: backend.summarize(warm_req),
+        "verify_matmul": lambda: verify_matmul(a, b, c, backend=args.backend),
+        "matmul_checksum": lambda: matmul_checksum(a, b, c),
         "legacy": lambda: legacy_check(a, b, c),
     }
     if not args.no_recompute:
@@ -239,6 +248,10 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                                     "floor_bound_shapes": [label(r) for r in cold_bound],
                                     "measured_without_floor_bound": mean(cold_rest)},
     }
+    over = [f"{name} {label(r)}" for r in rows for name in ("verify_matmul", "matmul_checksum")
+            if r["ms"][name] > max(ONE_CALL_RATIO * r["ms"]["cold"], r["ms"]["cold"] + 1e3 * ONE_CALL_SLACK)]
+    summary["targets"]["one_call"] = {"ratio": ONE_CALL_RATIO, "slack_s": ONE_CALL_SLACK, "over": over,
+                                      "met": not over if rows else None}
     summary["anchors"] = _anchor_comparison(rows)
     return summary
 
@@ -275,20 +288,21 @@ def _anchor_comparison(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def render(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     """The table, the anchor comparison and the verdict lines."""
-    headers = ["dtype", "shape", "MxKxN", "bare ms", "cold", "warm", "legacy", "recompute",
-               "floor cold", "floor warm", "noise"]
+    headers = ["dtype", "shape", "MxKxN", "bare ms", "cold", "warm", "verify_matmul", "matmul_checksum", "legacy",
+               "recompute", "floor cold", "floor warm", "noise"]
     body = []
     for r in rows:
         o = r["overhead"]
         noise = max((v for v in r["noise"].values() if v == v), default=float("nan"))
         body.append([r["dtype"], r.get("group", ""), shape_label(r["m"], r["k"], r["n"]), r["ms"]["bare"],
-                     pct(o["cold"]), pct(o["warm"]), pct(o["legacy"]), pct(o.get("recompute", float("nan"))),
+                     pct(o["cold"]), pct(o["warm"]), pct(o["verify_matmul"]), pct(o["matmul_checksum"]),
+                     pct(o["legacy"]), pct(o.get("recompute", float("nan"))),
                      pct(o["floor_cold"]), pct(o["floor_warm"]), pct(noise) + (" !" if noise > NOISY else "")])
     noisy = sum(1 for row in body if row[-1].endswith("!"))
     lines = ["overhead = verification time / bare matmul time, interleaved repetitions (median of the "
              "per-round ratios, or ratio of best times with --stat min); noise = widest relative "
              "interquartile range of the row's times", "",
-             table(headers, body, align="lllrrrrrrrr"), ""]
+             table(headers, body, align="lllrrrrrrrrrr"), ""]
     if noisy:
         lines += [f"{noisy} rows marked ! were noisy (quartiles more than {pct(NOISY)} apart): another process "
                   "probably shared the CPU; rerun them (--shapes, --m) or use --stat min", ""]
@@ -310,7 +324,7 @@ def render(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
             lines.append(f"  {item['dtype']} {item['what']}: ours {pct(ours)} {verdict} "
                          f"{anchor_text} ({item['anchor_what']})")
     t = summary["targets"]
-    lines += ["", "targets (issue 8):"]
+    lines += ["", "targets:"]
     for key, what in (("warm_mean_le_5pct", f"warm mean <= {pct(TARGET_WARM)}"),
                       ("cold_mean_m512_le_30pct", f"cold mean for M >= {COLD_MIN_M} <= {pct(TARGET_COLD)}")):
         item = t[key]
@@ -319,6 +333,10 @@ def render(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
             line += (f"; {pct(item['measured_without_floor_bound'])} without "
                      f"{', '.join(item['floor_bound_shapes'])}, whose memory floor alone is above the target")
         lines.append(line)
+    calls = t["one_call"]
+    lines.append(f"  verify_matmul / matmul_checksum within {ONE_CALL_RATIO:g}x of cold or "
+                 f"{ONE_CALL_SLACK * 1e6:.0f} us of it on every shape: {_verdict(calls['met'])}"
+                 + (f" (not on {', '.join(calls['over'])})" if calls["over"] else ""))
     return "\n".join(lines)
 
 

@@ -102,9 +102,13 @@ def test_fp_exit_status_counts_a_failing_product(monkeypatch: pytest.MonkeyPatch
 
 
 def test_detect(tmp_path: Path) -> None:
-    report = bench(tmp_path, "detect", "--shape", "32x128x300", "--gemms", "1", "--magnitudes", "1e-6,100")
-    assert [r["dtype"] for r in report["results"]] == ["bf16", "fp16", "fp32"]
+    report = bench(tmp_path, "detect", "--shape", "32x128x300", "--gemms", "1", "--magnitudes", "1e-6,2,100")
+    assert [(r["dtype"], r["screen"]) for r in report["results"]] == [
+        (d, s) for d in ("bf16", "fp16", "fp32") for s in ("default", "tight")]
+    tight = {r["dtype"]: r for r in report["results"] if r["screen"] == "tight"}
+    assert {m["magnitude"]: m["rate"] for m in tight["bf16"]["by_magnitude"]}[2.0] == 1.0  # the tight screen's 2 RMS
     for res in report["results"]:
+        assert res["summary"]["clean_segments"] == 32 * 2 and 0 <= res["summary"]["screen_misses"] <= 64
         bits = 32 if res["dtype"] == "fp32" else 16
         assert len(res["by_bit"]) == 2 * bits
         top = [b for b in res["by_bit"] if b["field"] == "exponent (top)" and b["direction"] == "0->1"]
