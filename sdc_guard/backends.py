@@ -294,8 +294,8 @@ def _kind(req: GemmRequest) -> tuple:
     call of theirs that their ``rejects`` refuses goes to the torch path inside their
     ``check``.)"""
     a = req.a
-    return (a.device, a.dtype, req.c.dtype, a.dim(), req.b.dim(), req.bias is not None, req.alpha == 1.0,
-            req.checksum_weight is not None)
+    return ("cpu" if a.is_cpu else a.device, a.dtype, req.c.dtype, a.dim(), req.b.dim(), req.bias is not None,
+            req.alpha == 1.0, req.checksum_weight is not None)
 
 
 def _register_defaults() -> None:

@@ -3,9 +3,11 @@
 Acceptance 1 of the proposal (RFC 3.5.1): gaussian, uniform and scaled data, the LLM and
 MOE-gate shapes, 1000 trials per cell, zero false positives. Here with bf16, fp16 and
 fp32, the dtype's default ``e_max`` (or ``--e-max``), a fresh A and B for every trial, and
-the verification the dispatcher picks for the device. A trial is a false positive when any
-(row, segment) of a clean product fails. Each cell also reports the largest D/T it saw:
-its distance from 1 is the margin the threshold kept. A product that overflowed its dtype
+the verification the dispatcher picks for the device. A trial is a false positive when the
+exact confirmation (``sdc_guard.confirm``) confirms corruption in a clean product: what
+the guard would act on. Segments the screen suspected and the confirmation cleared are
+counted beside (``screen_suspects``). Each cell also reports the largest screen D/T it
+saw: its distance from 1 is the margin the screen kept. A product that overflowed its dtype
 (fp16 on wide data) is a legitimate overflow, counted apart, not a false positive.
 
 Exit status 1 when any cell counted a false positive.
@@ -29,6 +31,7 @@ from .bench_common import (
     DISTRIBUTIONS, FP16_NOTE, SHORT_NAME, Outcome, Progress, argtype, generator, machine, operands,
     parse_dtypes, parse_names, parse_shape, product, resolve_device, shape_label, table,
 )
+from .confirm import confirm
 from .precision import resolve_e_max
 
 #: The proposal's shape set for acceptance 1, CPU-sized: six LLM shapes (decode to prefill,
@@ -82,19 +85,25 @@ def data_cells(args: argparse.Namespace) -> list[tuple[torch.dtype, str, tuple[i
     return [(dtype, dist, shape) for dtype in args.dtypes for dist in args.dists for shape in args.shapes]
 
 
-def clean_trials(dtype: torch.dtype, dist: str, shape: tuple[int, int, int], trials: int, e_max: float,
-                 device: torch.device, seed: int, backend: str | None,
-                 progress: Progress | None = None) -> Iterator[AbftCheck]:
-    """Verify ``trials`` clean products of fresh ``dist`` data; yields each check."""
+def clean_requests(dtype: torch.dtype, dist: str, shape: tuple[int, int, int], trials: int, e_max: float,
+                   device: torch.device, seed: int, progress: Progress | None = None) -> Iterator[GemmRequest]:
+    """``trials`` clean products of fresh ``dist`` data, as requests."""
     m, k, n = shape
     gen = generator(device, seed)
     label = f"{SHORT_NAME[dtype]} {dist} {shape_label(*shape)}"
     for trial in range(trials):
         a, b = operands(dist, m, k, n, dtype, device, gen)
-        req = GemmRequest(a, b, product(a, b), e_max)
-        yield backends.select(req, backend).check(req)
+        yield GemmRequest(a, b, product(a, b), e_max)
         if progress is not None:
             progress.tick(label, trial + 1, trials)
+
+
+def clean_trials(dtype: torch.dtype, dist: str, shape: tuple[int, int, int], trials: int, e_max: float,
+                 device: torch.device, seed: int, backend: str | None,
+                 progress: Progress | None = None) -> Iterator[tuple[GemmRequest, AbftCheck]]:
+    """Screen ``trials`` clean products of fresh ``dist`` data; yields each request and check."""
+    for req in clean_requests(dtype, dist, shape, trials, e_max, device, seed, progress):
+        yield req, backends.select(req, backend).check(req)
 
 
 def cell_seed(seed: int, index: int) -> int:
@@ -109,11 +118,14 @@ def run(args: argparse.Namespace) -> Outcome:
     for i, (dtype, dist, shape) in enumerate(cells):
         e_max = resolve_e_max(args.e_max, dtype, device)
         started = time.perf_counter()
-        fp = failed_segments = overflow = unverifiable = 0
+        fp = failed_segments = overflow = unverifiable = misses = 0
         worst = 0.0
-        for check in clean_trials(dtype, dist, shape, args.trials, e_max, device, cell_seed(args.seed, i),
-                                  args.backend, progress):
-            bad = int(check.sdc.sum())
+        for req, check in clean_trials(dtype, dist, shape, args.trials, e_max, device, cell_seed(args.seed, i),
+                                       args.backend, progress):
+            suspects = int(check.sdc.sum())
+            misses += suspects
+            bad = int(confirm(req, check.ok, check.inputs_bad, check.ratio, on_host=True, limit=None).sdc.sum()) \
+                if suspects else 0
             fp += bad > 0
             failed_segments += bad
             overflow += bool(check.possible_overflow.any())
@@ -125,7 +137,7 @@ def run(args: argparse.Namespace) -> Outcome:
         row = {"dtype": SHORT_NAME[dtype], "dist": dist, "m": shape[0], "k": shape[1], "n": shape[2],
                "trials": args.trials, "e_max": e_max, "false_positives": fp,
                "failed_segments": failed_segments, "overflow_trials": overflow,
-               "unverifiable_trials": unverifiable, "max_ratio": worst,
+               "unverifiable_trials": unverifiable, "max_ratio": worst, "screen_suspects": misses,
                "seconds": time.perf_counter() - started}
         if dtype == torch.float16 and device.type == "cpu":
             row["note"] = FP16_NOTE
@@ -133,11 +145,12 @@ def run(args: argparse.Namespace) -> Outcome:
         progress.step(f"{row['dtype']} {dist} {shape_label(*shape)}",
                       f"{args.trials} trials, {fp} false positives, max D/T {worst:.3g}")
     total_fp = sum(r["false_positives"] for r in rows)
-    headers = ["dtype", "dist", "MxKxN", "e_max", "trials", "false pos.", "max D/T", "margin", "overflow"]
+    headers = ["dtype", "dist", "MxKxN", "e_max", "trials", "false pos.", "screen suspects", "max D/T", "margin",
+               "overflow"]
     body = [[r["dtype"], r["dist"], shape_label(r["m"], r["k"], r["n"]), f"{r['e_max']:.3g}", r["trials"],
-             r["false_positives"], f"{r['max_ratio']:.3g}",
+             r["false_positives"], r["screen_suspects"], f"{r['max_ratio']:.3g}",
              f"{1 / r['max_ratio']:.1f}x" if r["max_ratio"] > 0 else "-", r["overflow_trials"]] for r in rows]
-    print(table(headers, body, align="lllrrrrrr"))
+    print(table(headers, body, align="lllrrrrrrr"))
     print()
     total_trials = sum(r["trials"] for r in rows)
     worst_row = max(rows, key=lambda r: r["max_ratio"])

@@ -100,10 +100,10 @@ def fp32_matmul_is_reduced(device: torch.device | str = "cpu") -> bool:
     >>> fp32_matmul_is_reduced("cpu") in (True, False)
     True
     """
-    device = torch.device(device)
     if torch.get_float32_matmul_precision() != "highest":
         return True
-    return device.type == "cuda" and bool(torch.backends.cuda.matmul.allow_tf32)
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return kind == "cuda" and bool(torch.backends.cuda.matmul.allow_tf32)
 
 
 def set_default_e_max(dtype: torch.dtype, e_max: float | None) -> None:
@@ -143,7 +143,8 @@ def default_e_max(dtype: torch.dtype, device: torch.device | str = "cpu") -> flo
     >>> default_e_max(torch.float32, "cpu") in (2e-5, 1e-3)
     True
     """
-    check_dtype("dtype", dtype)
+    if dtype not in DEFAULT_E_MAX:
+        check_dtype("dtype", dtype)
     if dtype in _overrides:
         return _overrides[dtype]
     if dtype == torch.float32 and fp32_matmul_is_reduced(device):

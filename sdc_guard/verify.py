@@ -26,6 +26,7 @@ from .backends import GemmRequest
 from .precision import check_dtype, resolve_screen
 
 KINDS = ("ok", "sdc", "overflow", "unverifiable")
+_CPU = torch.device("cpu")
 
 
 def _check_tensor(name: str, value: object) -> Tensor:
@@ -68,8 +69,9 @@ def check_operands(
             raise ValueError(f"{name}: expected at least 2 dims [..., rows, cols], got shape {tuple(t.shape)}")
     if b.dtype != a.dtype:
         raise TypeError(f"b: expected dtype {a.dtype} (the dtype of a), got {b.dtype}")
+    all_cpu = a.is_cpu and b.is_cpu and c.is_cpu  # a torch.device costs microseconds to make
     for name, t in (("b", b), ("c", c)):
-        if t.device != a.device:
+        if not all_cpu and t.device != a.device:
             raise ValueError(f"{name}: expected device {a.device} (the device of a), got {t.device}")
     if b.shape[-2] != a.shape[-1]:
         raise ValueError(
@@ -117,7 +119,7 @@ def make_request(
 ) -> GemmRequest:
     """Validate the operands and resolve ``e_max`` and ``screen`` into a ``GemmRequest``."""
     check_operands(a, b, c, checksum_weight=checksum_weight, bias=bias, alpha=alpha, beta=beta)
-    e_max, rounding = resolve_screen(screen, e_max, a.dtype, a.device)
+    e_max, rounding = resolve_screen(screen, e_max, a.dtype, _CPU if a.is_cpu else a.device)
     return GemmRequest(
         a, b, c, e_max, checksum_weight=checksum_weight,
         bias=bias, alpha=float(alpha), beta=float(beta), rounding=rounding,
@@ -192,7 +194,8 @@ class Verdict:
     unverifiable segment is not corruption); ``kind`` says which case applies, with
     ``"sdc"`` > ``"overflow"`` > ``"unverifiable"`` > ``"ok"`` when several do. ``flags``
     are confirmed by exact recomputation (``sdc_guard.confirm``); ``screen_flags`` are what
-    the fast screen suspected, a superset where the screen saw the corruption at all.
+    the fast screen suspected, a superset where the screen saw the corruption at all. The
+    masks are read-only (those of a clear verdict are one broadcast all-False view).
     """
 
     ok: bool
@@ -216,6 +219,20 @@ class Verdict:
         if self.screen_flags is None:
             return 0
         return int((self.screen_flags & ~self.flags & ~self.overflow).sum())
+
+
+_FALSE: dict[torch.device, Tensor] = {}
+
+
+def _all_false(shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """An all-False bool mask of ``shape``: a broadcast view of one element, so a clear
+    verdict allocates nothing, and its masks are read-only (PyTorch refuses writes into
+    an expanded tensor)."""
+    key = _CPU if like.is_cpu else like.device
+    false = _FALSE.get(key)
+    if false is None:
+        false = _FALSE[key] = torch.zeros((), dtype=torch.bool, device=key)
+    return false.expand(shape)
 
 
 def classify(req: GemmRequest, check: AbftCheck) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -256,9 +273,8 @@ def verify_matmul(
     chosen = backends.select(req, backend)
     worst = chosen.clear_worst(req)  # the guard's own path
     if worst is not None:  # known clear on the host: nothing to classify
-        shape = (*c.shape[:-2], c.shape[-2], num_segments(c.shape[-1]))
-        none = torch.zeros((4, *shape), dtype=torch.bool, device=c.device).unbind(0)  # one allocation
-        return Verdict(True, "ok", none[0], none[1], none[2], worst, chosen.name, req.e_max, none[3])
+        none = _all_false((*c.shape[:-2], c.shape[-2], num_segments(c.shape[-1])), c)
+        return Verdict(True, "ok", none, none, none, worst, chosen.name, req.e_max, none)
     check = chosen.check(req)
     flags, overflow, unverifiable, screen_flags = classify(req, check)
     if bool(flags.any()):
