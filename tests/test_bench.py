@@ -132,7 +132,20 @@ def test_calibrate_recommends_margin_over_measured_max(tmp_path: Path) -> None:
         else:  # C's rounding term covered every segment: no accumulation allowance asked for
             assert s["recommended_e_max"] == s["default_e_max"]
             assert s["default_margin"] is None  # an unbounded margin: strict JSON has no Infinity
-    assert report["summary"]["fp32"]["max_ratio"] > 0  # fp32's rounding term is tiny: the bracket is needed
+    # the measure itself: a product off by more than its fixed terms needs e_max = (D - F) / X,
+    # at which its segment passes, and fails just below
+    from sdc_guard.backends import GemmRequest
+    from sdc_guard.bench_calibrate import required_e_max
+    from sdc_guard.abft import vabft_check
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 64, generator=gen), torch.randn(64, 300, generator=gen)
+    c = a @ b
+    c[1, 10] += 1e-3
+    need = required_e_max(GemmRequest(a, b, c, 2e-5))
+    e = float(need[1, 0])
+    assert e > 0 and float(need[0, 0]) == 0.0
+    assert bool(vabft_check(a, b, c, e_max=e * 1.001).ok[1, 0]) and not bool(vabft_check(a, b, c, e_max=e * 0.99).ok[1, 0])
 
 
 def test_train(tmp_path: Path) -> None:
