@@ -136,6 +136,7 @@ def test_calibrate_recommends_margin_over_measured_max(tmp_path: Path) -> None:
     # at which its segment passes, and fails just below
     from sdc_guard.backends import GemmRequest
     from sdc_guard.bench_calibrate import required_e_max
+    import torch
     from sdc_guard.abft import vabft_check
 
     gen = torch.Generator().manual_seed(0)
