@@ -312,11 +312,21 @@ class Guard:
         if stale:
             cache.invalidate(stale)
 
+    @property
+    def watching(self) -> bool:
+        """Whether the open (or last closed) step is watched by the sampler."""
+        return self._watching
+
     def refresh_weights(self, params: list[Tensor] | None = None) -> None:
-        """Re-encode the cached weights of ``params`` (all with ``None``) now, while their
-        value is known good: right after an optimizer step wrote them."""
+        """Make the cached weights of ``params`` (all with ``None``) stale and, in a
+        watched step, re-encode them now, while their value is known good: right after an
+        optimizer step wrote them. After an unwatched step nothing is re-encoded: the next
+        watched step starts from fresh encodings anyway (``begin_step``), so the work would
+        be thrown away, and unwatched steps are meant to cost nothing."""
         if params is not None:
             self.cache.invalidate(p.untyped_storage().data_ptr() for p in params)
+        if not self._watching:
+            return
         if torch._C._len_torch_dispatch_stack() == 0:
             self.cache.refresh()
         else:

@@ -231,7 +231,7 @@ class Responder:
         finally:  # raise and exit are responses too: record them
             self.guard.outcomes.append(outcome)
             self.guard._publish("observe_outcome", outcome)
-        self.guard.cache.refresh()  # encode the updated weights now, while known fresh
+        self.guard.refresh_weights()  # encode the updated weights now, while known fresh
         if outcome.stepped or outcome.action == "skip":
             self.snapshots.after_step(report.step)
         self.guard.begin_step()
