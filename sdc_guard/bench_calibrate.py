@@ -21,11 +21,13 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .bench_common import FP16_NOTE, SHORT_NAME, Outcome, Progress, machine, resolve_device, shape_label, table
 from .backends import GemmRequest, TorchBackend
 from .bench_fp import add_data_arguments, cell_seed, clean_requests, data_cells
-from .precision import default_e_max
+from .intercept import GEMM_HANDLERS, current_phase
+from .precision import SUPPORTED_DTYPES, default_e_max
 
 #: Default safety margin: the recommended e_max is this many times the largest D/T seen.
 MARGIN = 4.0
@@ -34,7 +36,86 @@ MARGIN = 4.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_arguments(parser, trials=100)
     parser.add_argument("--margin", type=float, default=MARGIN,
-                        help=f"safety factor over the largest D/T measured (default {MARGIN:g})")
+                        help=f"safety factor over the largest required e_max measured (default {MARGIN:g})")
+    parser.add_argument("--model", default=None,
+                        help="measure a real training run's GEMMs instead: toy:D/CTX/BATCH/LAYERS/LR or hf:ARCH "
+                             "(sdc_guard.bench_models)")
+    parser.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"),
+                        help="with --model: the training precision (default bf16 autocast)")
+    parser.add_argument("--steps", type=int, default=50, help="with --model: training steps measured (default 50)")
+
+
+class RequiredEMax(TorchDispatchMode):
+    """Records, for every GEMM run under it, the largest e_max any of its segments needs
+    (``required_e_max``), by (op, phase, dtype)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.needs: dict[tuple[str, str, str], list[float]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        handler = GEMM_HANDLERS.get(func.overloadpacket)
+        gemm = handler(args, kwargs, out) if handler is not None else None
+        if gemm is not None and gemm.a.dtype in SUPPORTED_DTYPES and gemm.b.dtype == gemm.a.dtype:
+            req = GemmRequest(gemm.a.detach(), gemm.b.detach(), gemm.out.detach(), 1.0,
+                              bias=None if gemm.bias is None else gemm.bias.detach(), alpha=gemm.alpha,
+                              beta=gemm.beta)
+            need = required_e_max(req)
+            key = (gemm.op, current_phase(), SHORT_NAME[gemm.a.dtype])
+            self.needs.setdefault(key, []).append(float(torch.nan_to_num(need, nan=float("inf")).max())
+                                                  if need.numel() else 0.0)
+        return out
+
+
+def run_model(args: argparse.Namespace) -> Outcome:
+    """``--model``: train the model unguarded, measuring every GEMM's required e_max."""
+    from .bench_models import PRECISIONS, build
+
+    work = build(args.model, seed=args.seed)
+    amp_dtype, scaled = PRECISIONS[args.precision]
+    opt = torch.optim.AdamW(work.model.parameters(), lr=work.lr)
+    scaler = torch.amp.GradScaler("cpu") if scaled else None
+    recorder = RequiredEMax()
+    progress = Progress(1, quiet=args.quiet)
+    for step in range(args.steps):
+        opt.zero_grad(set_to_none=True)
+        with recorder:
+            with torch.autocast("cpu", dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
+                loss = work.loss_of(work.model, step)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+        progress.tick(args.model, step + 1, args.steps)
+    rows = []
+    for (op, phase, dtype), values in sorted(recorder.needs.items()):
+        values.sort()
+        rows.append({"op": op, "phase": phase, "dtype": dtype, "gemms": len(values), "max_e_max": values[-1],
+                     "p99_e_max": values[min(len(values) - 1, int(0.99 * len(values)))],
+                     "median_e_max": values[len(values) // 2]})
+    print(table(["op", "phase", "dtype", "GEMMs", "median e_max", "p99 e_max", "max e_max"],
+                [[r["op"], r["phase"], r["dtype"], r["gemms"], f"{r['median_e_max']:.3g}", f"{r['p99_e_max']:.3g}",
+                  f"{r['max_e_max']:.3g}"] for r in rows], align="lllrrrr"))
+    summary: dict[str, Any] = {}
+    print()
+    for dtype in sorted({r["dtype"] for r in rows}):
+        worst = max(r["max_e_max"] for r in rows if r["dtype"] == dtype)
+        torch_dtype = next(d for d, n in SHORT_NAME.items() if n == dtype)
+        default = default_e_max(torch_dtype, torch.device("cpu"))
+        margin = default / worst if worst > 0 else float("inf")
+        summary[dtype] = {"max_e_max": worst, "default_e_max": default, "default_margin": margin,
+                          "recommended_e_max": recommend(worst, args.margin) if worst > 0 else default}
+        what = (f"needs e_max {worst:.3g}: the default {default:.3g} keeps a {margin:.1f}x margin on this run"
+                if worst > 0 else f"no GEMM needed any accumulation allowance: the default {default:.3g} is not binding")
+        print(f"  {dtype} ({args.model}, {args.precision}, {args.steps} steps): {what}")
+    payload = {"command": "calibrate", "mode": "model", "machine": machine(torch.device("cpu")),
+               "settings": {"model": args.model, "precision": args.precision, "steps": args.steps, "seed": args.seed},
+               "rows": rows, "summary": summary}
+    return Outcome(0, payload)
 
 
 def recommend(max_ratio: float, margin: float) -> float:
@@ -64,6 +145,8 @@ def required_e_max(req: GemmRequest) -> Tensor:
 def run(args: argparse.Namespace) -> Outcome:
     if not args.margin >= 1.0:
         raise ValueError(f"margin: expected a factor >= 1, got {args.margin}")
+    if args.model is not None:
+        return run_model(args)
     device = resolve_device(args.device)
     cells = data_cells(args)
     progress = Progress(len(cells), quiet=args.quiet)

@@ -10,7 +10,14 @@ counted beside (``screen_suspects``). Each cell also reports the largest screen 
 saw: its distance from 1 is the margin the screen kept. A product that overflowed its dtype
 (fp16 on wide data) is a legitimate overflow, counted apart, not a false positive.
 
-Exit status 1 when any cell counted a false positive.
+``--models``: the real-model corpus instead (``sdc_guard.bench_models``): ``transformers``
+models built from small configs and the toy GPT at the configurations where earlier
+screens raised false alarms, trained for ``--steps`` guarded steps at real learning rates
+in each of ``--precisions``, every GEMM verified, for each of ``--screens``. A run counts
+its confirmed detections (false positives: must be 0) and the screen's misses per
+segment, the rate that decides which screen can be the default.
+
+Exit status 1 when any cell or run counted a false positive.
 
 ``clean_trials`` is shared with ``sdc-guard bench calibrate``, which runs the same data at
 ``e_max = 1``.
@@ -32,7 +39,7 @@ from .bench_common import (
     parse_dtypes, parse_names, parse_shape, product, resolve_device, shape_label, table,
 )
 from .confirm import confirm
-from .precision import resolve_e_max
+from .precision import SCREENS, check_screen, resolve_e_max
 
 #: The proposal's shape set for acceptance 1, CPU-sized: six LLM shapes (decode to prefill,
 #: attention/FFN) and four MOE-gate shapes.
@@ -77,6 +84,93 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_arguments(parser, trials=1000)
     parser.add_argument("--e-max", type=float, default=None,
                         help="e_max to test (default: the dtype's default on this device)")
+    corpus = parser.add_argument_group("real-model corpus (instead of the synthetic cells)")
+    corpus.add_argument("--models", default=None, type=argtype(_models),
+                        help="comma list of toy:D/CTX/BATCH/LAYERS/LR, hf:ARCH, 'toy' (the five toy configs), "
+                             "'hf' (every architecture) or 'all'")
+    corpus.add_argument("--precisions", default="fp32,bf16,fp16", type=argtype(_precisions),
+                        help="comma list of fp32, bf16, fp16 (default all)")
+    corpus.add_argument("--steps", type=int, default=300, help="guarded training steps per run (default 300)")
+    corpus.add_argument("--screens", default="default,tight", type=argtype(_screens),
+                        help="comma list of default, tight (default both)")
+
+
+def _models(text: str) -> list[str]:
+    from .bench_models import HF_ARCHS, TOY_CONFIGS
+
+    out: list[str] = []
+    for item in (t.strip() for t in text.split(",")):
+        if item in ("toy", "all"):
+            out += [f"toy:{c}" for c in TOY_CONFIGS]
+        if item in ("hf", "all"):
+            out += [f"hf:{a}" for a in HF_ARCHS]
+        if item and item not in ("toy", "hf", "all"):
+            if not item.startswith(("toy:", "hf:")):
+                raise ValueError(f"models: expected toy:..., hf:..., toy, hf or all, got {item!r}")
+            out.append(item)
+    if not out:
+        raise ValueError(f"models: expected at least one model, got {text!r}")
+    return out
+
+
+def _precisions(text: str) -> list[str]:
+    from .bench_models import PRECISIONS
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in PRECISIONS]
+    if bad or not names:
+        raise ValueError(f"precisions: expected a comma list of {', '.join(PRECISIONS)}, got {text!r}")
+    return names
+
+
+def _screens(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    for name in names:
+        check_screen(name)
+    if not names:
+        raise ValueError(f"screens: expected a comma list of {', '.join(SCREENS)}, got {text!r}")
+    return names
+
+
+def run_models(args: argparse.Namespace) -> Outcome:
+    """The real-model corpus (see the module docstring)."""
+    from .bench_models import build, train_guarded
+
+    if args.steps < 1:
+        raise ValueError(f"steps: expected a positive int, got {args.steps}")
+    runs = [(m, p, s) for m in args.models for p in args.precisions for s in args.screens]
+    progress = Progress(len(runs), quiet=args.quiet)
+    rows = []
+    for name, precision, screen in runs:
+        record = train_guarded(build(name, seed=args.seed), args.steps, precision=precision, screen=screen)
+        row = {"model": name, "precision": precision, "screen": screen, "steps": record.steps,
+               "gemms": record.gemms, "false_positives": len(record.flagged_steps),
+               "flagged_steps": record.flagged_steps, "responses": record.responses,
+               "screen_misses": record.screen_misses, "segments": record.segments, "miss_rate": record.miss_rate,
+               "worst_ratio": record.worst_ratio, "loss": [record.first_loss, record.last_loss],
+               "exit_code": record.exit_code, "seconds": record.seconds}
+        rows.append(row)
+        progress.step(f"{name} {precision} {screen}",
+                      f"{record.steps} steps, {len(record.flagged_steps)} false positives, "
+                      f"misses {record.screen_misses}/{record.segments}")
+    print(table(["model", "precision", "screen", "steps", "GEMMs", "false pos.", "screen misses", "per segment",
+                 "worst D/T", "loss"],
+                [[r["model"], r["precision"], r["screen"], r["steps"], r["gemms"], r["false_positives"],
+                  r["screen_misses"], f"{r['miss_rate']:.2g}", f"{r['worst_ratio']:.3g}",
+                  f"{r['loss'][0]:.3f} -> {r['loss'][1]:.3f}"] for r in rows], align="llllrrrrrr"))
+    total = sum(r["false_positives"] for r in rows)
+    print()
+    for screen in args.screens:
+        mine = [r for r in rows if r["screen"] == screen]
+        misses, segs = sum(r["screen_misses"] for r in mine), sum(r["segments"] for r in mine)
+        print(f"{screen} screen: {misses} misses in {segs} segments ({misses / segs if segs else 0:.2g} per segment) "
+              f"over {len(mine)} runs")
+    print(f"{'PASS' if total == 0 else 'FAIL'}: {total} confirmed false positives over {len(rows)} runs (must be 0)")
+    payload = {"command": "fp", "mode": "models", "machine": machine(resolve_device(args.device)),
+               "settings": {"models": args.models, "precisions": args.precisions, "screens": args.screens,
+                            "steps": args.steps, "seed": args.seed},
+               "runs": rows, "summary": {"false_positives": total, "runs": len(rows), "pass": total == 0}}
+    return Outcome(0 if total == 0 else 1, payload)
 
 
 def data_cells(args: argparse.Namespace) -> list[tuple[torch.dtype, str, tuple[int, int, int]]]:
@@ -111,6 +205,8 @@ def cell_seed(seed: int, index: int) -> int:
 
 
 def run(args: argparse.Namespace) -> Outcome:
+    if args.models is not None:
+        return run_models(args)
     device = resolve_device(args.device)
     cells = data_cells(args)
     progress = Progress(len(cells), quiet=args.quiet)

@@ -13,6 +13,7 @@ warns once, counts the GEMM as unverified, and never stops training.
 
 from __future__ import annotations
 
+import time
 import warnings
 import weakref
 from collections import deque
@@ -26,7 +27,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from . import backends
 from .backends import Backend, GemmRequest
 from .cache import WeightCache
-from .intercept import Gemm, GemmInterceptor, SiteTracker, current_phase
+from .intercept import Gemm, GemmInterceptor, SiteTracker, current_phase, round_trip_seconds
 from .precision import SUPPORTED_DTYPES, check_screen, resolve_e_max, resolve_screen
 from .ledger import Pending, StepLedger
 from .report import KindKey, StepReport
@@ -182,10 +183,14 @@ class Guard:
             raise RuntimeError("end_step(): no step is open (use it inside the protect() block)")
         self._sites.stop()
         self._step_open = False
+        if self._mode is not None:  # the step's ops so far; the mode goes on for the next step
+            self._ledger.ops += self._mode.ops
+            self._mode.ops = 0
         if not keep_empty and self._watching and self._ledger.seen == 0 and not self._ledger.unverified:
             return None  # a block that ran no GEMM (an unwatched step is still a step)
         report = self._ledger.report(self.step_index, self._attempt, self.rank, watched=self._watching,
-                                     stats=self.screen_stats)
+                                     stats=self.screen_stats,
+                                     round_trip=round_trip_seconds() if self._ledger.ops else 0.0)
         self.reports.append(report)
         self._publish("observe_report", report)
         if report.attempt == 0:
@@ -278,6 +283,7 @@ class Guard:
         elif not wanted and self._mode is not None and (
                 not self._active or _get_current_dispatch_mode() is self._mode):
             self._mode.__exit__(None, None, None)
+            self._ledger.ops += self._mode.ops
             self._mode = None
 
     def __enter__(self) -> "Guard":
@@ -300,6 +306,13 @@ class Guard:
     def on_write(self, tensors: list[Tensor]) -> None:
         """Called by the dispatch mode with the tensors an op wrote: a parameter written by
         the program needs its cached encoding remade (``sdc_guard.cache``)."""
+        started = time.perf_counter()
+        try:
+            self._note_writes(tensors)
+        finally:
+            self._ledger.hook_seconds += time.perf_counter() - started
+
+    def _note_writes(self, tensors: list[Tensor]) -> None:
         cache = self.cache
         stale = []
         for t in tensors:
@@ -337,6 +350,13 @@ class Guard:
         """Called by the dispatch mode for every GEMM: sample, verify, keep flags on device."""
         if not self._watching:
             return
+        started = time.perf_counter()
+        try:
+            self._on_gemm(gemm)
+        finally:
+            self._ledger.hook_seconds += time.perf_counter() - started
+
+    def _on_gemm(self, gemm: Gemm) -> None:
         phase = current_phase()
         kind: KindKey = (gemm.op, phase, str(gemm.a.dtype).removeprefix("torch."))
         call_index = self._ledger.see(kind)

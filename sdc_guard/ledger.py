@@ -131,6 +131,8 @@ class StepLedger:
         self.by_kind: dict[KindKey, GemmCounts] = {}
         self.clock = Clock()
         self.started = time.perf_counter()
+        self.ops = 0  #: aten ops the dispatch mode intercepted
+        self.hook_seconds = 0.0  #: host time in the guard's per-op hooks (verification on CPU included)
 
     def see(self, kind: KindKey) -> int:
         """Count a GEMM; returns its index among the step's GEMMs."""
@@ -152,10 +154,19 @@ class StepLedger:
     def costs(self, report: StepReport) -> StepCosts:
         """The sampler's feedback for this step."""
         return StepCosts(report.step, report.step_seconds, report.verify_seconds,
-                         dict(self.site_seconds), dict(self.site_calls))
+                         dict(self.site_seconds), dict(self.site_calls), report.guard_seconds)
+
+    def guard_seconds(self, round_trip: float) -> float:
+        """Everything the guard added to the step (call after synchronising): host time in
+        its hooks (site tracking, sampling, bookkeeping, and on CPU verification), the
+        dispatch mode's round trip for every op intercepted (``round_trip`` seconds each,
+        measured once per process by ``intercept.round_trip_seconds``), and verification
+        time on an accelerator. An estimate where the mode is concerned: what a mode costs
+        the ops between its round trips (cache effects) is not in it."""
+        return self.hook_seconds + self.ops * round_trip + (self.clock.total() - self.clock.seconds)
 
     def report(self, step: int, attempt: int, rank: int, *, watched: bool = True,
-               stats: ScreenStats | None = None) -> StepReport:
+               stats: ScreenStats | None = None, round_trip: float = 0.0) -> StepReport:
         """Read the flags (the one host synchronisation of the step) into a report; with
         ``stats``, record every verified GEMM's worst D/T and flag in it."""
         summaries = read_summaries([p.summary for p in self.pending])  # the one host sync
@@ -174,10 +185,13 @@ class StepLedger:
                 self.by_kind[p.kind].flagged += 1
         ratios = [s[1] for s in summaries if s[1] == s[1]]
         base = max(step_seconds - verify_seconds, 1e-12)
+        guard_seconds = min(self.guard_seconds(round_trip), step_seconds)
         return StepReport(
             step=step, seen=self.seen, verified=len(self.pending), flagged=len(detections),
             detections=detections, unverified_ops=dict(self.unverified),
-            verify_seconds=verify_seconds, step_seconds=step_seconds, overhead=verify_seconds / base,
+            verify_seconds=verify_seconds, step_seconds=step_seconds,
+            overhead=guard_seconds / max(step_seconds - guard_seconds, 1e-12), verify_overhead=verify_seconds / base,
+            guard_seconds=guard_seconds, intercepted_ops=self.ops,
             overflow=sum(1 for s in summaries if s[2] > 0),
             unverifiable=sum(1 for s in summaries if s[3] > 0),
             worst_ratio=max(ratios, default=0.0), sites_seen=len(self.sites_seen),

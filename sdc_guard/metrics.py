@@ -23,13 +23,17 @@ name                                           type       labels besides ``rank`
 ``sdc_guard_site_gemms_flagged_total``         counter    site (``max_sites`` + "other")
 ``sdc_guard_detections_total``                 counter    classification
 ``sdc_guard_responses_total``                  counter    action
+``sdc_guard_screen_misses_total``              counter    suspects the confirmation cleared
+``sdc_guard_segments_checked_total``           counter    (row, segment)s screened
 ``sdc_guard_verify_seconds_total``             counter    verification time, all runs
+``sdc_guard_guard_seconds_total``              counter    all the guard added, all runs
 ``sdc_guard_step_seconds_total``               counter    step wall time, all runs
 ``sdc_guard_step``                             gauge      number of the last step
 ``sdc_guard_step_flagged``                     gauge      1 if the last step flagged
-``sdc_guard_overhead_ratio``                   gauge      last step's verification overhead
+``sdc_guard_overhead_ratio``                   gauge      last step's whole guard overhead
+``sdc_guard_verify_overhead_ratio``            gauge      last step's verification overhead
 ``sdc_guard_overhead_budget_ratio``            gauge      the budget (only if given)
-``sdc_guard_worst_check_ratio``                gauge      last step's largest D/T (> 1: SDC)
+``sdc_guard_worst_check_ratio``                gauge      last step's largest screen D/T
 ``sdc_guard_last_detection_step``              gauge      -1 until a detection
 ``sdc_guard_last_detection_timestamp_seconds`` gauge      unix time; 0 until a detection
 ``sdc_guard_last_report_timestamp_seconds``    gauge      unix time of the last report
@@ -40,8 +44,9 @@ Choices, and why:
 - GEMM and step counters count a step's first run only, so ``verified / seen`` is the
   sampler's coverage and one corrupted GEMM counts once; re-executions (which verify
   everything) are counted apart, and their time is in the seconds counters, because it
-  is real cost. Long-run overhead is ``rate(verify) / (rate(step) - rate(verify))``,
-  which is what the alert on the budget uses; the per-step gauge is for dashboards.
+  is real cost. Long-run overhead is ``rate(guard) / (rate(step) - rate(guard))`` (the
+  guard's whole cost: interception, bookkeeping, verification), which is what the alert
+  on the budget uses; the per-step gauges are for dashboards.
 - Detections are counted on the rank(s) whose GEMMs flagged (``outcome.flagged_ranks``);
   responses on every rank, since every rank takes the response in lockstep.
 - Sites (module paths) are unbounded in general, so they label only the flagged-GEMM
@@ -192,6 +197,9 @@ class GuardMetrics:
         self._responses = c("sdc_guard_responses", "Responses taken (on every rank, in lockstep).", "action")
         self._verify_seconds = c("sdc_guard_verify_seconds",
                                  "Verification time, re-executions included.").labels(rank=r)
+        self._guard_seconds = c("sdc_guard_guard_seconds",
+                                "Everything the guard added to steps (interception, bookkeeping, verification; "
+                                "interception estimated per op), re-executions included.").labels(rank=r)
         self._step_seconds = c("sdc_guard_step_seconds",
                                "Guarded step wall time, re-executions included.").labels(rank=r)
         for name in CLASSIFICATIONS:  # start at 0: increase() must see the first one
@@ -202,7 +210,11 @@ class GuardMetrics:
         g = self._gauge
         self._step = g("sdc_guard_step", "Number of the last step reported.")
         self._step_flagged = g("sdc_guard_step_flagged", "1 if the last step flagged a GEMM, else 0.")
-        self._overhead = g("sdc_guard_overhead_ratio", "Verification time / step time without it, last step.")
+        self._overhead = g("sdc_guard_overhead_ratio",
+                           "What the guard added / step time without it (interception, bookkeeping, verification), "
+                           "last step.")
+        self._verify_overhead = g("sdc_guard_verify_overhead_ratio",
+                                  "Verification time alone / step time without it, last step.")
         self._worst_ratio = g("sdc_guard_worst_check_ratio",
                               "Largest screen D/T of the last step's verified GEMMs (above 1: the screen flagged; "
                               "only a confirmed flag is a detection).")
@@ -212,7 +224,7 @@ class GuardMetrics:
                                       "Unix time of the last detection (0: none).")
         self._last_report_time = g("sdc_guard_last_report_timestamp_seconds", "Unix time of the last report.")
         if self.budget is not None:
-            g("sdc_guard_overhead_budget_ratio", "Verification overhead budget.").set(self.budget)
+            g("sdc_guard_overhead_budget_ratio", "The guard's overhead budget.").set(self.budget)
 
     # --- MetricsSink -----------------------------------------------------------------------
 
@@ -225,6 +237,7 @@ class GuardMetrics:
             raise TypeError(f"report: expected a sdc_guard.StepReport, got {type(report).__name__}")
         now = time.time()
         self._verify_seconds.inc(max(report.verify_seconds, 0.0))
+        self._guard_seconds.inc(max(report.guard_seconds, 0.0))
         self._step_seconds.inc(max(report.step_seconds, 0.0))
         self._screen_misses.inc(max(report.screen_misses, 0))
         self._segments.inc(max(report.segments, 0))
@@ -237,6 +250,7 @@ class GuardMetrics:
         self._step.set(report.step)
         self._step_flagged.set(1 if report.flagged else 0)
         self._overhead.set(report.overhead)
+        self._verify_overhead.set(report.verify_overhead)
         self._worst_ratio.set(report.worst_ratio)
         self._gemms_unverifiable.inc(sum(report.unverified_ops.values()))
         for (op, phase, dtype), counts in report.by_kind.items():

@@ -43,7 +43,14 @@ class GemmCounts:
 
 @dataclass
 class StepReport:
-    """What one step saw. ``overhead`` = verification time / step time without it."""
+    """What one step saw.
+
+    ``overhead`` is what the guard cost the step, everything it added (interception,
+    bookkeeping, verification: ``guard_seconds``) over the step time without it;
+    ``verify_overhead`` counts verification alone. ``guard_seconds`` is partly estimated:
+    the dispatch mode's round trip is charged per intercepted op at a rate measured once
+    per process (``sdc_guard.ledger.StepLedger.guard_seconds``).
+    """
 
     step: int
     seen: int  #: GEMMs seen
@@ -53,7 +60,7 @@ class StepReport:
     unverified_ops: dict[str, int]  #: GEMM-bearing ops that could not be verified, by op
     verify_seconds: float
     step_seconds: float
-    overhead: float
+    overhead: float  #: guard_seconds / (step_seconds - guard_seconds): the guard's whole cost
     overflow: int = 0  #: GEMMs with a legitimate-overflow segment (not corruption)
     unverifiable: int = 0  #: GEMMs with non-finite inputs (not corruption)
     worst_ratio: float = 0.0  #: worst screen D/T over the step's verified GEMMs
@@ -68,6 +75,9 @@ class StepReport:
     #: clean product the screen suspected. Counted and exported, never acted on.
     screen_misses: int = 0
     segments: int = 0  #: (row, segment)s the screen checked
+    verify_overhead: float = 0.0  #: verify_seconds / (step_seconds - verify_seconds)
+    guard_seconds: float = 0.0  #: everything the guard added to the step (see the class doc)
+    intercepted_ops: int = 0  #: aten ops the dispatch mode saw
 
     @property
     def flag(self) -> bool:

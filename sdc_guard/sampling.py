@@ -38,6 +38,8 @@ class StepCosts:
     verify_seconds: float
     site_seconds: dict[SiteKey, float] = field(default_factory=dict)  #: verification time per site
     site_calls: dict[SiteKey, int] = field(default_factory=dict)  #: verified calls per site
+    #: everything the guard added (interception, bookkeeping, verification; StepReport.guard_seconds)
+    guard_seconds: float = 0.0
 
 
 class Sampler(Protocol):
@@ -293,9 +295,10 @@ class Budget:
         self._learn_costs(costs.site_seconds, warm)
         for site in costs.site_seconds:
             self._last[site] = costs.step
+        added = max(costs.verify_seconds, costs.guard_seconds)  # what the guard's own account says it added
         if warm:
-            # no unwatched step yet: the step less its verification stands in for the base
-            self._base_seconds = self._ema(self._base_seconds, max(costs.step_seconds - costs.verify_seconds, 1e-9))
+            # no unwatched step yet: the step less what the guard added stands in for the base
+            self._base_seconds = self._ema(self._base_seconds, max(costs.step_seconds - added, 1e-9))
             return
         assert self._base_seconds is not None
         if not watched:
@@ -303,10 +306,10 @@ class Budget:
             self._base_seconds = self._ema(self._base_seconds if self._base_measured else None, seconds)
             self._base_measured = True
         else:
-            # a watched step less its verification bounds the unguarded step from above: a
+            # a watched step less what the guard added bounds the unguarded step from above: a
             # base learned in a slow spell comes down even if every step is watched
-            self._base_seconds = min(self._base_seconds, max(costs.step_seconds - costs.verify_seconds, 1e-9))
-        charge = max(costs.step_seconds - self._base_seconds, costs.verify_seconds) if watched else 0.0
+            self._base_seconds = min(self._base_seconds, max(costs.step_seconds - added, 1e-9))
+        charge = max(costs.step_seconds - self._base_seconds, added) if watched else 0.0
         self._credit -= charge
         self._charged_total += charge
         self._base_total += self._base_seconds

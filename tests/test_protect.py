@@ -100,7 +100,10 @@ def test_mlp_counts_gemms_per_phase_and_flags_none() -> None:
     assert r.by_kind[("addmm", "forward", "float32")].verified == 2
     assert r.by_kind[("mm", "backward", "float32")].verified == 3
     assert r.verify_seconds > 0 and r.step_seconds > r.verify_seconds
-    assert r.overhead == pytest.approx(r.verify_seconds / (r.step_seconds - r.verify_seconds))
+    assert r.verify_overhead == pytest.approx(r.verify_seconds / (r.step_seconds - r.verify_seconds))
+    # the whole cost: verification, the hooks' bookkeeping, and a round trip per intercepted op
+    assert r.intercepted_ops > r.seen and r.step_seconds > r.guard_seconds > r.verify_seconds
+    assert r.overhead == pytest.approx(r.guard_seconds / (r.step_seconds - r.guard_seconds))
 
 
 def test_transformer_trains_clean_then_catches_a_flip_with_site_and_phase() -> None:
