@@ -157,7 +157,7 @@ def summary(result: DemoResult, args: argparse.Namespace) -> str:
     lines = ["", "=" * 72, "sdc-guard demo: what happened", "=" * 72]
     lines.append(f"steps trained        {len(result.losses)}   GEMMs verified {result.gemms_verified}")
     overhead = sum(result.overheads) / max(1, len(result.overheads))
-    lines.append(f"verification cost    {100 * overhead:.0f} % of step time (mean; every GEMM verified)")
+    lines.append(f"guard cost           {100 * overhead:.0f} % of step time (mean: interception, bookkeeping, verification; every GEMM verified)")
     if not result.detections:
         lines.append("detections           none")
     for o in result.detections:
@@ -196,7 +196,7 @@ def _plot(result: DemoResult, path: str) -> str:
     ax1.set_ylabel("loss")
     ax1.legend()
     ax2.plot([100 * x for x in result.overheads])
-    ax2.set_ylabel("verification overhead (%)")
+    ax2.set_ylabel("guard overhead (%)")
     ax2.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
