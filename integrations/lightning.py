@@ -18,11 +18,12 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
-from sdc_guard.guard import Guard, current_step, set_current_step
+from sdc_guard.guard import Guard, check_backend, current_step, set_current_step
 from sdc_guard.metrics import GuardMetrics
 from sdc_guard.policy import Policy, StepOutcome
-from sdc_guard.sampling import Full, Sampler
-from sdc_guard.snapshot import SnapshotStore
+from sdc_guard.precision import check_e_max
+from sdc_guard.sampling import Full, Sampler, check_sampler
+from sdc_guard.snapshot import SnapshotStore, check_checkpoint_dir
 
 DEFAULT_METRICS_PORT = 9464
 
@@ -39,9 +40,12 @@ class SDCGuard(Callback):
             earlier micro-batch of gradient accumulation, nothing can be re-executed and
             the step is skipped instead.
         snapshot_every: steps between in-memory known-good snapshots (rollback targets).
-        checkpoint_dir: if set, known-good snapshots are also written there atomically.
-        e_max: threshold coefficient override (default: per dtype, see ``VABFT.md``).
-        backend: force a verification backend (default: best available).
+        checkpoint_dir: if set, known-good snapshots are also written there atomically
+            (created if missing; one that cannot be written is an error here).
+        e_max: threshold coefficient override in (0, 1] (default: per dtype, see ``VABFT.md``).
+        backend: force a verification backend (default: best available); one that is
+            unusable here is an error here, one that cannot serve the model's tensors an
+            error at fit start.
         verify_validation: also verify validation batches (reported, never acted on).
         metrics_port: port of the Prometheus endpoint on 127.0.0.1; ``port + local
             rank`` per process. Default 9464; ``None`` disables the endpoint. A port in use
@@ -49,6 +53,9 @@ class SDCGuard(Callback):
         metrics_address: address to bind (default loopback).
         pushgateway: push metrics there at the end of fit (for short or batch jobs).
         log_every_n_steps: how often to log per-step values to the trainer's loggers.
+
+    Every argument is checked here: a bad one raises ``TypeError`` / ``ValueError``
+    naming it, before any training step.
 
     Example::
 
@@ -71,11 +78,30 @@ class SDCGuard(Callback):
         log_every_n_steps: int = 1,
     ) -> None:
         super().__init__()
+        if sampler is not None:
+            check_sampler(sampler, stateful=True)  # its state goes into Lightning checkpoints
+        if policy is not None and not isinstance(policy, Policy):
+            raise TypeError(f"policy: expected a sdc_guard.Policy or None, got {type(policy).__name__} {policy!r}")
         if metrics_port is not None and (isinstance(metrics_port, bool) or not isinstance(metrics_port, int)
                                          or not 0 <= metrics_port < 65536):
             raise ValueError(f"metrics_port: expected an int in 0..65535 or None, got {metrics_port!r}")
-        if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1:
-            raise ValueError(f"snapshot_every: expected a positive int, got {snapshot_every!r}")
+        for name, value in (("snapshot_every", snapshot_every), ("log_every_n_steps", log_every_n_steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if checkpoint_dir is not None:
+            check_checkpoint_dir(checkpoint_dir)
+        if e_max is not None:
+            check_e_max(e_max)
+        check_backend(backend)  # the model's devices are checked again at fit start
+        if not isinstance(verify_validation, bool):
+            raise TypeError(f"verify_validation: expected a bool, got {type(verify_validation).__name__} "
+                            f"{verify_validation!r}")
+        if not isinstance(metrics_address, str) or not metrics_address:
+            raise ValueError(f"metrics_address: expected a host name or IP address such as '127.0.0.1', "
+                             f"got {metrics_address!r}")
+        if pushgateway is not None and (not isinstance(pushgateway, str) or not pushgateway):
+            raise TypeError(f"pushgateway: expected a Pushgateway address such as 'http://host:9091' or None, "
+                            f"got {type(pushgateway).__name__} {pushgateway!r}")
         self.sampler = sampler if sampler is not None else Full()
         self.policy = policy if policy is not None else Policy()
         self.snapshot_every = snapshot_every
@@ -193,6 +219,10 @@ class SDCGuard(Callback):
         for optimizer, original in self._patched:
             optimizer.step = original  # type: ignore[method-assign]
         self._patched.clear()
+        # Lightning skips the callbacks' teardown after an exception: free the port here
+        close = getattr(self.metrics, "close", None)
+        if close is not None:
+            close()
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         close = getattr(self.metrics, "close", None)

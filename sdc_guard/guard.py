@@ -13,6 +13,7 @@ warns once, counts the GEMM as unverified, and never stops training.
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 import weakref
@@ -28,11 +29,11 @@ from . import backends
 from .backends import Backend, GemmRequest
 from .cache import WeightCache
 from .intercept import Gemm, GemmInterceptor, SiteTracker, current_phase, round_trip_seconds
-from .precision import SUPPORTED_DTYPES, check_screen, resolve_e_max, resolve_screen
+from .precision import SUPPORTED_DTYPES, check_e_max, check_screen, resolve_screen
 from .ledger import Pending, StepLedger
 from .report import KindKey, StepReport
 from .policy import Policy, Responder, StepOutcome
-from .sampling import Full, Sampler, SiteKey, sampler_watches
+from .sampling import Full, Sampler, SiteKey, check_sampler, sampler_watches
 from .snapshot import SnapshotStore
 from .stats import ScreenStats
 
@@ -88,12 +89,18 @@ class Guard:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         self.screen = check_screen(screen)
-        if backend is not None:
-            backends.get(backend)
+        if sampler is not None:
+            check_sampler(sampler)
         if e_max is not None:
-            resolve_e_max(e_max, torch.float32, torch.device("cpu"))
+            check_e_max(e_max)
+        check_backend(backend, model)
         if isinstance(history, bool) or not isinstance(history, int) or history < 1:
             raise ValueError(f"history: expected a positive int, got {history!r}")
+        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
+            raise ValueError(f"cache_bytes: expected a non-negative int (bytes; 0 disables the cache), "
+                             f"got {cache_bytes!r}")
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+            raise ValueError(f"rank: expected a non-negative int or None, got {rank!r}")
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(f"policy: expected a sdc_guard.Policy, got {type(policy).__name__}")
         if snapshots is not None and not isinstance(snapshots, SnapshotStore):
@@ -102,6 +109,8 @@ class Guard:
             raise TypeError(f"stats: expected a bool, got {type(stats).__name__}")
         #: per-site screen D/T statistics (``protect(stats=True)``), else ``None``
         self.screen_stats: ScreenStats | None = ScreenStats() if stats else None
+        if metrics is not None:
+            check_metrics_sink(metrics)
         self.model = model
         self.policy = policy if policy is not None else Policy()
         self.snapshots = snapshots
@@ -411,18 +420,26 @@ class Guard:
         return chosen
 
     def _publish(self, method: str, item: Any) -> None:
-        """Hand a report or outcome to the metrics sink; a failure there warns once."""
+        """Hand a report or outcome to the metrics sink; a failure there warns once per
+        sink in total, across the per-step ``protect()`` blocks that share it."""
         if self.metrics is None:
             return
         try:
             getattr(self.metrics, method)(item)
         except Exception as exc:  # monitoring never stops training
-            self._warn_once(f"metrics:{method}", f"sdc_guard: metrics {method} failed "
-                            f"({type(exc).__name__}: {exc}); training continues")
+            self._warn_once("metrics", f"sdc_guard: metrics {method} failed ({type(exc).__name__}: "
+                            f"{exc}); training continues (further failures of this sink are not reported)",
+                            owner=self.metrics)
 
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
+    def _warn_once(self, key: str, message: str, *, owner: Any = None) -> None:
+        """Warn once per ``key`` and ``owner`` (default: the model): the state lives with
+        the owner, not with this guard, since the documented per-step pattern makes a new
+        guard every step."""
+        warned = _warnings_of(self.model if owner is None else owner)
+        if warned is None:  # an owner that cannot be weakly referenced: this guard's own
+            warned = self._warned
+        if key not in warned:
+            warned.add(key)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     # --- end of step ---------------------------------------------------------------------
@@ -503,6 +520,75 @@ def _verifiable(gemm: Gemm) -> bool:
         and a.dim() >= 2 and b.dim() >= 2 and out.dim() >= 2
         and (gemm.bias is None or gemm.bias.is_floating_point())
     )
+
+
+#: Warning keys already given, per owner (a metrics sink, a model), by ``id`` with a weak
+#: reference, so that sinks that are not hashable (dataclasses) are served too.
+_warned_by_owner: dict[int, tuple["weakref.ref[Any]", set[str]]] = {}
+
+
+def _warnings_of(owner: Any) -> set[str] | None:
+    """The set of warnings already given for ``owner`` (``None``: not weakly referenceable)."""
+    key = id(owner)
+    entry = _warned_by_owner.get(key)
+    if entry is not None and entry[0]() is owner:
+        return entry[1]
+    try:
+        ref = weakref.ref(owner, lambda _: _warned_by_owner.pop(key, None))
+    except TypeError:
+        return None
+    _warned_by_owner[key] = (ref, set())
+    return _warned_by_owner[key][1]
+
+
+METRICS_SINK_METHODS = ("observe_report", "observe_outcome")
+
+
+def check_metrics_sink(metrics: Any, name: str = "metrics") -> None:
+    """Raise ``TypeError`` naming ``name`` unless ``metrics`` is a sink object: one with
+    ``observe_report`` and ``observe_outcome`` (``sdc_guard.metrics.GuardMetrics``).
+
+    >>> check_metrics_sink("prometheus")
+    Traceback (most recent call last):
+    ...
+    TypeError: metrics: expected a metrics sink (an object with observe_report and observe_outcome, such as sdc_guard.metrics.GuardMetrics()), got str 'prometheus'
+    """
+    if isinstance(metrics, type) or not all(callable(getattr(metrics, m, None)) for m in METRICS_SINK_METHODS):
+        what = f"the class {metrics.__name__} (pass an instance)" if isinstance(metrics, type) else \
+            f"{type(metrics).__name__} {metrics!r}"
+        raise TypeError(f"{name}: expected a metrics sink (an object with {' and '.join(METRICS_SINK_METHODS)}, "
+                        f"such as sdc_guard.metrics.GuardMetrics()), got {what}")
+
+
+def check_backend(backend: Any, model: nn.Module | None = None, name: str = "backend") -> None:
+    """Raise ``ValueError`` unless the forced backend (``backend``, else
+    ``$SDC_GUARD_BACKEND``) exists, is usable in this process and, given ``model``,
+    accepts GEMMs on the devices and dtypes of its parameters: a forced backend that
+    cannot serve the tensors it will see is an error before training, not a warning per
+    GEMM during it. ``None`` with no variable set (the dispatcher chooses) always passes.
+
+    >>> check_backend("torch", torch.nn.Linear(2, 2))
+    """
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"{name}: expected a backend name ({', '.join(backends.registered())}) or None, "
+                        f"got {type(backend).__name__} {backend!r}")
+    source, value = (name, backend) if backend is not None else (backends.ENV_BACKEND, os.environ.get(backends.ENV_BACKEND))
+    if not value:
+        return
+    if value not in backends.registered():
+        raise ValueError(f"{source}: expected one of {', '.join(map(repr, backends.registered()))}, got {value!r}")
+    chosen = backends.get(value)
+    reason = chosen.unavailable_reason()
+    if reason is not None:
+        raise ValueError(f"{source}: expected a backend usable in this process, got {value!r}, which is not: {reason}")
+    kinds = {(p.device, p.dtype) for p in (model.parameters() if model is not None else ())
+             if p.dtype in SUPPORTED_DTYPES and p.device.type != "meta"}
+    for device, dtype in sorted(kinds, key=str):
+        probe = torch.empty((2, 2), dtype=dtype, device=device)
+        reason = chosen.rejects(GemmRequest(probe, probe, probe, 1e-3))
+        if reason is not None:
+            raise ValueError(f"{source}: expected a backend that can verify the model's GEMMs ({dtype} on {device}), "
+                             f"got {value!r}, which cannot: {reason}")
 
 
 def _current_rank() -> int:

@@ -19,6 +19,7 @@ clean output and the drill would silently prove nothing.
 
 from __future__ import annotations
 
+import difflib
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -33,13 +34,16 @@ from .intercept import GEMM_HANDLERS, GemmInterceptor, SiteTracker, current_phas
 _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 _TOP_EXPONENT_BIT = {torch.float32: 30, torch.float16: 14, torch.bfloat16: 14}
 DIRECTIONS = ("on", "off", "flip")
+#: Bits of the widest dtype a GEMM output can have (float32).
+MAX_BIT_WIDTH = 32
 
 
 @dataclass
 class GemmFault:
     """Which GEMM outputs to corrupt, and how. ``None`` fields match anything.
 
-    ``site`` is a module path relative to the model ("blocks.0.attn.proj", "global");
+    ``site`` is a module path relative to the model ("blocks.0.attn.proj", "global"; one
+    that names no site of the drilled model is an error when the drill is entered);
     ``call`` counts matching calls within the step from 0 (re-executions of the step by
     the recompute response included); ``element`` indexes the output (if omitted: drawn
     from the injector's seed, once for a sticky fault, which like a faulty unit then hits
@@ -60,16 +64,30 @@ class GemmFault:
     sticky: bool = False
 
     def __post_init__(self) -> None:
-        if self.direction not in DIRECTIONS:
+        if self.site is not None and (not isinstance(self.site, str) or not self.site):
+            raise TypeError(f"site: expected a module path such as 'layers.0.mlp.fc1' or None, got {self.site!r}")
+        if not isinstance(self.direction, str) or self.direction not in DIRECTIONS:
             raise ValueError(f"direction: expected one of {DIRECTIONS}, got {self.direction!r}")
         if self.phase not in (None, "forward", "backward"):
             raise ValueError(f"phase: expected 'forward', 'backward' or None, got {self.phase!r}")
-        if self.op is not None and self.op not in {str(p).split(".")[-1] for p in GEMM_HANDLERS}:
-            raise ValueError(f"op: expected a GEMM op such as 'mm' or 'addmm', got {self.op!r}")
+        ops = sorted({str(p).split(".")[-1] for p in GEMM_HANDLERS})
+        if self.op is not None and (not isinstance(self.op, str) or self.op not in ops):
+            raise ValueError(f"op: expected a GEMM op such as 'mm' or 'addmm' ({', '.join(ops)}), got {self.op!r}")
         for name in ("step", "call", "bit"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name}: expected a non-negative int or None, got {value!r}")
+        if self.bit is not None and self.bit >= MAX_BIT_WIDTH:
+            raise ValueError(f"bit: expected 0..{MAX_BIT_WIDTH - 1} (float32; 0..15 for bfloat16 and float16) "
+                             f"or None, got {self.bit!r}")
+        if self.element is not None:
+            if not isinstance(self.element, (tuple, list)) or not self.element or any(
+                    isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.element):
+                raise ValueError(f"element: expected a tuple of non-negative ints (an index into the output) "
+                                 f"or None, got {self.element!r}")
+            self.element = tuple(self.element)
+        if not isinstance(self.sticky, bool):
+            raise TypeError(f"sticky: expected a bool, got {type(self.sticky).__name__} {self.sticky!r}")
 
 
 @dataclass
@@ -153,6 +171,8 @@ class FaultInjector(TorchDispatchMode):
         for f in faults:
             if not isinstance(f, GemmFault):
                 raise TypeError(f"faults: expected GemmFault objects, got {type(f).__name__}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed: expected an int, got {type(seed).__name__} {seed!r}")
         self.model = model
         self.faults = list(faults)
         self.injections: list[Injection] = []
@@ -170,6 +190,8 @@ class FaultInjector(TorchDispatchMode):
                 "`with drill(model, fault), protect(model):`; inside protect() the guard "
                 "would verify the clean output and the drill would prove nothing"
             )
+        for fault in self.faults:
+            check_site(self.model, fault.site)
         self._sites.start()
         return super().__enter__()
 
@@ -214,6 +236,35 @@ class FaultInjector(TorchDispatchMode):
             self.injections.append(Injection(step, site, op, phase, call, element, bit, before, after, changed))
             if not fault.sticky:
                 self._spent.add(key)
+
+
+def sites_of(model: nn.Module) -> list[str]:
+    """The sites ``model``'s GEMMs can have: its module paths, its class name (the model
+    itself) and ``"global"`` (a GEMM outside every module)."""
+    root = type(model).__name__
+    return [name or root for name, _ in model.named_modules()] + ["global"]
+
+
+def check_site(model: nn.Module, site: str | None) -> None:
+    """Raise ``ValueError`` if ``site`` names no site of ``model``: a drill that can never
+    fire would otherwise prove nothing, silently. The message lists the nearest sites.
+
+    >>> check_site(torch.nn.Sequential(torch.nn.Linear(2, 2)), "1")
+    Traceback (most recent call last):
+    ...
+    ValueError: site: expected a module path of the model (such as '0'), got '1'
+    """
+    if site is None:
+        return
+    known = sites_of(model)
+    if site in known:
+        return
+    near = [s for s in known if s.endswith("." + site) or site.endswith("." + s)]
+    near += [s for s in difflib.get_close_matches(site, known, n=5, cutoff=0.6) if s not in near]
+    if not near:  # the model's first few paths, for a sense of their shape
+        near = [s for s in known if s != "global"][1:4] or known[:1]
+    raise ValueError(f"site: expected a module path of the model (such as {', '.join(map(repr, near[:5]))}), "
+                     f"got {site!r}")
 
 
 def _matches(fault: GemmFault, site: str, op: str, phase: str, step: int) -> bool:

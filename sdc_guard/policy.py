@@ -35,6 +35,12 @@ Exit codes, for the scheduler:
 - ``EXIT_PERSISTENT`` (17): a fault reproduced on re-execution; replace this node.
 - ``EXIT_NONDETERMINISTIC`` (18): re-executions disagreed; suspect the hardware or a
   non-deterministic kernel; investigate before reusing the node.
+
+The exit code does not depend on the exit report: a report that cannot be written (a
+full disk, a path that is a file) is logged and the process still exits with its code.
+The report is strict JSON (RFC 8259): a non-finite number, such as the D/T ratio of a
+GEMM whose output is infinite, is written as the string ``"inf"``, ``"-inf"`` or
+``"nan"`` (``float()`` reads each back).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import math
 import os
 import sys
 from dataclasses import asdict, dataclass, field
@@ -116,9 +123,54 @@ class StepOutcome:
 
 
 def _check_action(name: str, value: str, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
+    if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"{name}: expected one of {', '.join(allowed)}, got {value!r}")
     return value
+
+
+def _check_steps(steps: Any) -> list[int]:
+    """``persistent_steps``: a list of step numbers (non-negative ints)."""
+    if not isinstance(steps, (list, tuple)):
+        raise TypeError(f"persistent_steps: expected a list of step numbers (non-negative ints), "
+                        f"got {type(steps).__name__} {steps!r}")
+    for step in steps:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"persistent_steps: expected non-negative int step numbers, got {step!r} in {steps!r}")
+    return list(steps)
+
+
+def _check_report_dir(directory: Any) -> None:
+    """``exit_report_dir``: ``None`` or a path that is not an existing non-directory. It
+    is created (and written) only at exit; a failure then never changes the exit code."""
+    if directory is None:
+        return
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"exit_report_dir: expected a directory path (str or os.PathLike) or None, "
+                        f"got {type(directory).__name__} {directory!r}")
+    if str(directory) == "":
+        raise ValueError("exit_report_dir: expected a directory path or None, got an empty string")
+    if Path(directory).exists() and not Path(directory).is_dir():
+        raise ValueError(f"exit_report_dir: expected a directory, got {str(directory)!r}, "
+                         "which exists and is not a directory")
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with every non-finite float as a string ("inf", "-inf", "nan"), tuples
+    as lists and anything else JSON cannot hold as its ``str``: what ``json.dumps(...,
+    allow_nan=False)`` accepts, so strict parsers (JavaScript's, log shippers) read it.
+
+    >>> strict_json({"ratio": float("inf"), "rows": (1, 2), "x": float("nan")})
+    {'ratio': 'inf', 'rows': [1, 2], 'x': 'nan'}
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return str(value)
 
 
 @dataclass
@@ -140,7 +192,7 @@ class Policy:
     on_nondeterministic: str = "skip"
     reruns: int = 1
     window: int = 100
-    exit_report_dir: str | None = None  #: where ``exit`` writes ``sdc_guard-exit.json``
+    exit_report_dir: str | os.PathLike | None = None  #: where ``exit`` writes ``sdc_guard-exit.json``
     persistent_steps: list[int] = field(default_factory=list)  #: escalation memory
 
     def __post_init__(self) -> None:
@@ -153,6 +205,8 @@ class Policy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        self.persistent_steps = _check_steps(self.persistent_steps)
+        _check_report_dir(self.exit_report_dir)
 
     def escalate(self, step: int) -> str:
         """Action for a PERSISTENT triage at ``step``, remembering it for the window."""
@@ -233,7 +287,7 @@ class Responder:
             self.guard._publish("observe_outcome", outcome)
         self.guard.refresh_weights()  # encode the updated weights now, while known fresh
         if outcome.stepped or outcome.action == "skip":
-            self.snapshots.after_step(report.step)
+            self.snapshots.after_step(report.step)  # never raises: a failing disk warns once
         self.guard.begin_step()
         return outcome
 
@@ -302,17 +356,37 @@ class Responder:
     def _exit(self, outcome: StepOutcome) -> None:
         code = {"persistent": EXIT_PERSISTENT, "non_deterministic": EXIT_NONDETERMINISTIC}.get(
             outcome.classification or "", EXIT_TRANSIENT)
-        if self.policy.exit_report_dir is not None and distributed.rank() == 0:
-            path = Path(self.policy.exit_report_dir) / "sdc_guard-exit.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({
-                "exit_code": code, "step": outcome.step, "flagged_ranks": outcome.flagged_ranks,
-                "classification": outcome.classification, "pid": os.getpid(),
-                "detections": [asdict(d) for d in outcome.report.detections],
-            }, indent=2, default=str))
+        try:
+            if self.policy.exit_report_dir is not None and distributed.rank() == 0:
+                write_exit_report(self.policy.exit_report_dir, code, outcome)
+        except Exception as exc:  # the exit code is what the scheduler acts on: keep it
+            log.error("sdc_guard: could not write the exit report to %s (%s: %s); exiting with code %d anyway",
+                      self.policy.exit_report_dir, type(exc).__name__, exc, code)
         log.error("sdc_guard: exiting with code %d (%s) at step %d", code, outcome.classification, outcome.step)
-        sys.stdout.flush()
+        try:
+            sys.stdout.flush()
+        except Exception:  # a closed or broken stdout must not change the exit code either
+            pass
         raise SDCExit(code, outcome)
+
+
+def write_exit_report(directory: str | os.PathLike, code: int, outcome: StepOutcome) -> Path:
+    """Write ``sdc_guard-exit.json`` in ``directory`` (created if missing): strict JSON,
+    written to a temporary file and renamed, so a reader never sees half a report."""
+    path = Path(directory) / "sdc_guard-exit.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(strict_json({
+        "exit_code": code, "step": outcome.step, "flagged_ranks": outcome.flagged_ranks,
+        "classification": outcome.classification, "pid": os.getpid(),
+        "detections": [asdict(d) for d in outcome.report.detections],
+    }), indent=2, allow_nan=False)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
 
 
 def _classify(original: frozenset, signatures: list[frozenset], rerun_grads: list) -> Triage:

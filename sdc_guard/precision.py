@@ -124,16 +124,26 @@ def set_default_e_max(dtype: torch.dtype, e_max: float | None) -> None:
     _overrides[dtype] = float(e_max)
 
 
+#: Largest ``e_max`` accepted. ``e_max`` is a relative rounding-error coefficient (bf16's
+#: unit roundoff is 3.9e-3); at 1 the threshold already exceeds the sums it checks
+#: (``bench calibrate`` measures at 1), so a larger one can only hide corruption, and
+#: one near fp32's maximum overflows the threshold itself.
+E_MAX_LIMIT = 1.0
+
+
 def check_e_max(e_max: float) -> float:
     """Return ``e_max`` as a float, or raise ``ValueError``/``TypeError`` naming it.
+
+    ``e_max`` must be in (0, ``E_MAX_LIMIT``]: 0 makes every rounding error an alarm.
 
     >>> check_e_max(1e-3)
     0.001
     """
     if isinstance(e_max, bool) or not isinstance(e_max, (int, float)):
-        raise TypeError(f"e_max: expected a non-negative float, got {type(e_max).__name__}")
-    if not math.isfinite(e_max) or e_max < 0:
-        raise ValueError(f"e_max: expected a finite non-negative float, got {e_max!r}")
+        raise TypeError(f"e_max: expected a float in (0, {E_MAX_LIMIT:g}], got {type(e_max).__name__} {e_max!r}")
+    if not math.isfinite(e_max) or not 0 < e_max <= E_MAX_LIMIT:
+        raise ValueError(f"e_max: expected a finite float in (0, {E_MAX_LIMIT:g}] (defaults: bf16/fp16 1e-3, "
+                         f"fp32 2e-5), got {e_max!r}")
     return float(e_max)
 
 

@@ -57,6 +57,50 @@ class Sampler(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+SAMPLER_METHODS = ("begin_step", "should_verify", "end_step")
+STATEFUL_METHODS = ("state_dict", "load_state_dict")
+
+
+def check_sampler(sampler: Any, name: str = "sampler", *, stateful: bool = False) -> Sampler:
+    """Return ``sampler``, or raise ``TypeError`` naming ``name`` unless it is a sampler
+    object: one with ``begin_step``, ``should_verify`` and ``end_step`` (``stateful``:
+    also ``state_dict`` and ``load_state_dict``, which checkpoints need).
+
+    >>> check_sampler("Full")
+    Traceback (most recent call last):
+    ...
+    TypeError: sampler: expected a sampler object (with begin_step, should_verify, end_step) such as Full() or Budget(0.05), got str 'Full'
+    """
+    methods = SAMPLER_METHODS + (STATEFUL_METHODS if stateful else ())
+    if isinstance(sampler, type):
+        got = f"the class {sampler.__name__} (pass an instance: {sampler.__name__}(...))"
+    elif not all(callable(getattr(sampler, m, None)) for m in methods):
+        missing = [m for m in methods if not callable(getattr(sampler, m, None))]
+        got = f"{type(sampler).__name__} {sampler!r}"
+        if len(missing) < len(methods):
+            got += f", which has no {', '.join(missing)}"
+    else:
+        return sampler
+    raise TypeError(f"{name}: expected a sampler object (with {', '.join(methods)}) such as Full() or "
+                    f"Budget(0.05), got {got}")
+
+
+def _check_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _check_weight(name: str, value: object) -> float:
+    """A moving average's weight: a real number in (0, 1]."""
+    what = "a number in (0, 1] (the moving average's weight of the newest value)"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected {what}, got {type(value).__name__} {value!r}")
+    if not 0 < value <= 1:
+        raise ValueError(f"{name}: expected {what}, got {value!r}")
+    return float(value)
+
+
 def sampler_watches(sampler: Sampler) -> bool:
     """``sampler.watches_step()``; a sampler without that method watches every step."""
     watches = getattr(sampler, "watches_step", None)
@@ -109,7 +153,7 @@ class Rate(_Stateless):
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
             raise ValueError(f"p: expected a probability in [0, 1], got {p!r}")
         self.p = float(p)
-        self.seed = seed
+        self.seed = _check_int("seed", seed)
         self._rng = random.Random(seed)
 
     def watches_step(self) -> bool:
@@ -231,11 +275,11 @@ class Budget:
 
     def __init__(self, max_overhead: float, *, window: int | None = None, smoothing: float = 0.3,
                  warmup: int = 2) -> None:
-        if isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float)) or not 0 < max_overhead:
+        if isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float)) or \
+                not 0 < max_overhead < float("inf"):
             raise ValueError(f"max_overhead: expected a positive fraction (0.05 = 5 %), got {max_overhead!r}")
         self.window = None if window is None else _check_positive_int("window", window)
-        if not 0 < smoothing <= 1:
-            raise ValueError(f"smoothing: expected a value in (0, 1], got {smoothing!r}")
+        smoothing = _check_weight("smoothing", smoothing)
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"warmup: expected a positive int, got {warmup!r}")
         self.max_overhead = float(max_overhead)

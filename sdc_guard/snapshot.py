@@ -10,14 +10,45 @@ only when the snapshot is used), and optionally written as checkpoints: temporar
 fsync, rename, fsync of the directory, so a crash mid-write leaves the previous checkpoint
 intact; loaded with ``weights_only=True``.
 
+Checkpoints belong to a *run*: ``sdc_guard-<run id>-step<N>.pt``. A directory is shared
+by the runs that wrote into it (earlier jobs, restarts, one store per optimizer), and
+each run answers only for its own files:
+
+- pruning keeps a run's ``keep`` most recently written readable checkpoints and deletes
+  only that run's older ones; other runs' files are never deleted (they may be another
+  live job's, or the only copy of a state someone wants); step numbers do not order
+  files (a run resumed at an earlier step writes lower numbers);
+- ``restore()`` without an in-memory snapshot loads this run's newest readable
+  checkpoint; a run with none of its own (a restart under a new run id) loads the most
+  recently written readable checkpoint of any run;
+- a file named like a checkpoint that is empty or not a complete torch archive (a
+  foreign file, a copy cut short) is skipped with a warning, never counted against
+  ``keep`` and never deleted;
+- temporary files left by writers that were killed mid-write (``.<name>.tmp-<host>-<pid>``)
+  are removed when a store opens the directory and after each write: at once when the
+  writer's process is gone, otherwise only once they are older than the run (a live
+  writer keeps its file fresh; one on another host is judged by age alone).
+
+A directory that cannot be written is an error when the store is made. A disk that fails
+later (permissions changed, disk full, a write cut short) is a monitoring failure: one
+warning, and the run goes on with in-memory snapshots only; it never raises out of a
+step whose optimizer update already happened.
+
 With a sampler that verifies only some GEMMs, corruption can go unseen for a while and a
 snapshot taken in that while is "good" only as far as the guard could see.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import re
+import secrets
+import socket
+import time
+import warnings
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -25,31 +56,122 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+log = logging.getLogger("sdc_guard")
+
+#: ``sdc_guard-<run id>-step<N>.pt``; files of versions before run ids, without one, too.
+CHECKPOINT_PATTERN = re.compile(r"^sdc_guard-(?:(?P<run>[A-Za-z0-9_.]+)-)?step(?P<step>-?\d+)\.pt$")
+#: A temporary file of ``save_checkpoint``: ``.<name>.tmp-<host>-<pid>`` (older versions:
+#: ``.<name>.tmp-<pid>``).
+TEMPORARY_PATTERN = re.compile(r"^\.sdc_guard-.*\.pt\.tmp-(?:(?P<host>[A-Za-z0-9_.]+)-)?(?P<pid>\d+)$")
+RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
+#: A temporary file whose writer may still be alive is removed only when its last write
+#: is older than the run by this much: a writer inside one long ``write()`` call does not
+#: touch its file's modification time until the call returns.
+STALE_TEMPORARY_SECONDS = 3600.0
+
+_DISK_FULL = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exhausted",
+              errno.EFBIG: "the disk is full or a file size limit was reached"}
+
 
 class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> Any: ...
 
 
+def host_label() -> str:
+    """This host's name as temporary file names carry it (letters, digits, '_', '.')."""
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+
+
+def new_run_id() -> str:
+    """A fresh run id: UTC start time, process id and a random part.
+
+    >>> bool(RUN_ID_PATTERN.match(new_run_id()))
+    True
+    """
+    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}_{os.getpid()}_{secrets.token_hex(3)}"
+
+
+def describe_os_error(exc: BaseException) -> str:
+    """What an error of the disk means, in words (a full disk is named as such).
+
+    >>> describe_os_error(OSError(errno.ENOSPC, "No space left on device"))
+    'the disk is full (ENOSPC: No space left on device)'
+    """
+    number = getattr(exc, "errno", None)
+    if not isinstance(exc, OSError) or number is None:
+        return f"{type(exc).__name__}: {exc}"
+    text = exc.strerror or str(exc)
+    what = _DISK_FULL.get(number)
+    if not (what and text.startswith(what)):
+        text = f"{errno.errorcode.get(number, str(number))}: {text}"
+        text = f"{what} ({text})" if what else text
+    return f"{text}: {exc.filename}" if exc.filename else text
+
+
+class _Sink:
+    """The file ``torch.save`` writes to: every byte written or an ``OSError`` kept.
+
+    ``torch.save`` turns a failed ``write()`` into ``RuntimeError: unexpected pos ...``;
+    keeping the ``OSError`` lets ``save_checkpoint`` say what happened (a full disk).
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        try:
+            while done < len(view):
+                written = os.write(self.fd, view[done:])
+                if written == 0:  # a short write that makes no progress: nowhere to put it
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                done += written
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+        return done
+
+    def flush(self) -> None:
+        pass
+
+
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
     """Write ``state`` to ``path`` atomically: readers see the old file or the new one.
+
+    A failed write raises ``OSError`` with the cause's ``errno`` and a message that says
+    what it means (``the disk is full``); the temporary file is removed.
 
     >>> import tempfile; d = tempfile.mkdtemp()
     >>> p = save_checkpoint(f"{d}/a.pt", {"w": torch.ones(2)}); load_checkpoint(p)["w"].tolist()
     [1.0, 1.0]
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path: expected a str or os.PathLike, got {type(path).__name__}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{host_label()}-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        sink = _Sink(fd)
+        try:
+            torch.save(state, sink)
+            os.fsync(fd)
+        except Exception as exc:
+            if sink.error is None:
+                raise
+            cause = OSError(sink.error.errno, sink.error.strerror)
+            raise OSError(sink.error.errno, describe_os_error(cause), str(path)) from exc
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -61,6 +183,106 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Load a checkpoint written by ``save_checkpoint`` (``weights_only=True``, to CPU)."""
     return torch.load(Path(path), map_location="cpu", weights_only=True)
+
+
+def looks_complete(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a complete torch archive: non-empty, a zip whose central
+    directory (written last) is present and names a pickle. Cheap: reads the end of the
+    file, never the tensors. A file cut short or not written by torch fails.
+
+    >>> import tempfile; d = Path(tempfile.mkdtemp()); (d / "x.pt").write_bytes(b"")
+    0
+    >>> looks_complete(d / "x.pt"), looks_complete(save_checkpoint(d / "y.pt", {"a": 1}))
+    (False, True)
+    """
+    try:
+        if os.path.getsize(path) == 0 or not zipfile.is_zipfile(path):
+            return False
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("data.pkl") for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
+
+
+def check_checkpoint_dir(checkpoint_dir: Any, name: str = "checkpoint_dir") -> Path:
+    """``checkpoint_dir`` as a ``Path``, created if missing, after proving it writable
+    (a one-byte file written and removed). Raises ``TypeError`` / ``ValueError`` naming
+    ``name``: at construction, not at the first snapshot after an optimizer step.
+
+    >>> import tempfile; check_checkpoint_dir(tempfile.mkdtemp()).is_dir()
+    True
+    """
+    if isinstance(checkpoint_dir, bool) or not isinstance(checkpoint_dir, (str, os.PathLike)):
+        raise TypeError(f"{name}: expected a directory path (str or os.PathLike) or None, "
+                        f"got {type(checkpoint_dir).__name__} {checkpoint_dir!r}")
+    path = Path(checkpoint_dir)
+    if str(checkpoint_dir) == "":
+        raise ValueError(f"{name}: expected a directory path, got an empty string")
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{name}: expected a directory, got {str(path)!r}, which exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".sdc_guard-write-probe-{host_label()}-{os.getpid()}"
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b"\0")
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{name}: expected a writable directory, got {str(path)!r}: "
+                         f"{describe_os_error(exc)}") from exc
+    return path
+
+
+def _writer_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: str | os.PathLike, run_started: float) -> list[Path]:
+    """Remove temporary files of ``save_checkpoint`` whose writer is gone; returns them.
+
+    A writer on this host whose process no longer exists is gone; so is a file of this
+    process's id from before ``run_started`` (a killed process whose id was reused, as in
+    containers where every job is process 1). Any other file (its writer alive, or on
+    another host of a shared file system) is removed only when its last write is more
+    than ``STALE_TEMPORARY_SECONDS`` older than ``run_started``.
+    """
+    removed = []
+    host, me = host_label(), os.getpid()
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = TEMPORARY_PATTERN.match(entry.name)
+        if match is None:
+            continue
+        try:
+            mtime = entry.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            continue
+        pid = int(match["pid"])
+        local = match["host"] in (None, host)
+        if local and pid == me:
+            stale = mtime < run_started
+        elif local and not _writer_alive(pid):
+            stale = True
+        else:
+            stale = mtime < run_started - STALE_TEMPORARY_SECONDS
+        if stale:
+            try:
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+            except OSError:
+                pass
+    return removed
 
 
 def _to_host(obj: Any, pin: bool) -> Any:
@@ -93,11 +315,13 @@ class Snapshot:
         return self
 
 
-CHECKPOINT_PATTERN = re.compile(r"^sdc_guard-step(\d+)\.pt$")
-
-
 class SnapshotStore:
     """Takes, keeps and restores known-good snapshots of a model (and optimizer, extras).
+
+    ``checkpoint_dir`` also writes each snapshot there (see the module docstring for
+    how runs share a directory); ``run_id`` names this run's files (default: a fresh id
+    per store; pass a stable one, such as the scheduler's job id, so that the restarts
+    of one job are one run: a restart then restores and prunes that run's files).
 
     >>> model = torch.nn.Linear(2, 2); store = SnapshotStore(model, every=1)
     >>> store.after_step(0) is not None
@@ -116,18 +340,33 @@ class SnapshotStore:
         keep: int = 2,
         checkpoint_dir: str | os.PathLike | None = None,
         extras: dict[str, Stateful] | None = None,
+        run_id: str | None = None,
     ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__} {model!r}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
         for name, value in (("every", every), ("keep", keep)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        self.extras = _check_extras(extras)
+        if run_id is not None and (not isinstance(run_id, str) or not RUN_ID_PATTERN.match(run_id)):
+            raise ValueError(f"run_id: expected 1-64 letters, digits, '_' or '.', got {run_id!r}")
         self.model = model
         self.optimizer = optimizer
         self.every = every
         self.keep = keep
-        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self.extras = dict(extras or {})
+        self.run_id = run_id if run_id is not None else new_run_id()
+        self.started = time.time()
+        self.checkpoint_dir = check_checkpoint_dir(checkpoint_dir) if checkpoint_dir is not None else None
+        self.disk_error: str | None = None  #: why checkpoints stopped being written, if they did
         self.snapshots: list[Snapshot] = []
         self.tainted = False
+        self._written: list[Path] = []  #: checkpoints this store wrote, oldest first
+        self._unloadable: set[Path] = set()  #: complete-looking archives that failed to load
+        self._warned: set[str] = set()
+        if self.checkpoint_dir is not None:
+            remove_stale_temporaries(self.checkpoint_dir, self.started)
 
     def _stateful(self) -> dict[str, Stateful]:
         objs: dict[str, Stateful] = {"model": self.model}
@@ -141,13 +380,22 @@ class SnapshotStore:
         """The newest known-good snapshot in memory."""
         return self.snapshots[-1] if self.snapshots else None
 
+    @property
+    def writing(self) -> bool:
+        """Whether snapshots are written as checkpoints (a directory, and no disk failure)."""
+        return self.checkpoint_dir is not None and self.disk_error is None
+
     def note_detection(self, *, resolved: bool) -> None:
         """A detection happened; unless its result never reached the state, taint."""
         if not resolved:
             self.tainted = True
 
     def take(self, step: int) -> Snapshot | None:
-        """Snapshot now if the state is known-good (else ``None``)."""
+        """Snapshot now if the state is known-good (else ``None``).
+
+        Writing the checkpoint never raises: a disk that fails warns once and the run
+        continues with in-memory snapshots (``disk_error`` says why).
+        """
         if self.tainted:
             return None
         pin = torch.cuda.is_available()
@@ -158,8 +406,11 @@ class SnapshotStore:
             ready.record()
         snap = Snapshot(step, state, ready)
         self.snapshots = (self.snapshots + [snap])[-self.keep:]
-        if self.checkpoint_dir is not None:
-            self._write(snap)
+        if self.writing:
+            try:
+                self._write(snap)
+            except Exception as exc:  # the optimizer has stepped: never raise from here
+                self._disk_failed(exc)
         return snap
 
     def after_step(self, step: int) -> Snapshot | None:
@@ -168,32 +419,98 @@ class SnapshotStore:
             return self.take(step)
         return None
 
+    def checkpoint_path(self, step: int) -> Path:
+        """Where this run's checkpoint of ``step`` goes."""
+        if self.checkpoint_dir is None:
+            raise RuntimeError("checkpoint_path(): this store has no checkpoint_dir")
+        return self.checkpoint_dir / f"sdc_guard-{self.run_id}-step{step}.pt"
+
     def _write(self, snap: Snapshot) -> None:
-        assert self.checkpoint_dir is not None
-        save_checkpoint(self.checkpoint_dir / f"sdc_guard-step{snap.step}.pt",
-                        {"step": snap.step, **snap.wait().state})
+        path = save_checkpoint(self.checkpoint_path(snap.step), {"step": snap.step, **snap.wait().state})
+        self._unloadable.discard(path)
+        self._written = [p for p in self._written if p != path] + [path]
         for old in self.checkpoints()[: -self.keep]:
             old.unlink(missing_ok=True)
+        self._written = [p for p in self._written if p.exists()]
+        remove_stale_temporaries(path.parent, self.started)
 
-    def checkpoints(self) -> list[Path]:
-        """Known-good checkpoints on disk, oldest first."""
-        if self.checkpoint_dir is None or not self.checkpoint_dir.exists():
+    def _disk_failed(self, exc: BaseException) -> None:
+        self.disk_error = describe_os_error(exc)
+        message = (f"sdc_guard: cannot write checkpoints to {self.checkpoint_dir}: {self.disk_error}; "
+                   "known-good snapshots are kept in memory only for the rest of this run")
+        log.warning(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def _warn_unreadable(self, path: Path, why: str) -> None:
+        if str(path) not in self._warned:
+            self._warned.add(str(path))
+            message = f"sdc_guard: skipping checkpoint {path}: {why}"
+            log.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    def checkpoints(self, *, all_runs: bool = False) -> list[Path]:
+        """This run's readable checkpoints on disk (``all_runs``: every run's), oldest
+        written first. Files that are empty or not complete archives are left out, with
+        a warning (once per file), and so are archives that ``restore()`` failed to load."""
+        if self.checkpoint_dir is None:
             return []
-        found = [(int(m.group(1)), p) for p in self.checkpoint_dir.iterdir()
-                 if (m := CHECKPOINT_PATTERN.match(p.name))]
+        try:
+            names = os.listdir(self.checkpoint_dir)
+        except OSError:
+            return []
+        order = {p: i for i, p in enumerate(self._written)}
+        found = []
+        for name in names:
+            match = CHECKPOINT_PATTERN.match(name)
+            if match is None or (not all_runs and match["run"] != self.run_id):
+                continue
+            path = self.checkpoint_dir / name
+            if path in self._unloadable:
+                continue
+            if not looks_complete(path):
+                self._warn_unreadable(path, "empty or not a complete checkpoint archive")
+                continue
+            if path in order:  # written by this store: newer than anything else of its run
+                key: tuple = (1, order[path], 0)
+            else:
+                try:
+                    key = (0, path.stat().st_mtime_ns, int(match["step"]))
+                except OSError:
+                    continue
+            found.append((key, path))
         return [p for _, p in sorted(found)]
 
+    def _load_newest(self) -> Snapshot:
+        """The newest checkpoint that loads: this run's, else (none of this run's loads,
+        or a restart under a new run id) the most recently written one of any run."""
+        tried: set[Path] = set()
+        for all_runs in (False, True):
+            for path in reversed(self.checkpoints(all_runs=all_runs)):
+                if path in tried:
+                    continue
+                tried.add(path)
+                try:
+                    state = load_checkpoint(path)
+                    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+                        raise ValueError("it holds no model state")
+                    step = state.pop("step")
+                    if isinstance(step, bool) or not isinstance(step, int):
+                        raise ValueError(f"its step is {step!r}")
+                except Exception as exc:
+                    self._unloadable.add(path)
+                    self._warn_unreadable(path, f"{type(exc).__name__}: {exc}")
+                    continue
+                return Snapshot(step, state)
+        raise RuntimeError("rollback: no known-good snapshot or readable checkpoint to restore")
+
     def restore(self, snapshot: Snapshot | None = None) -> Snapshot:
-        """Load ``snapshot`` (default: the last good one in memory, else the newest
-        checkpoint) into the model, optimizer and extras; clears the taint."""
+        """Load ``snapshot`` (default: the last good one in memory, else this run's newest
+        readable checkpoint, else, after a restart, the newest readable one of any run)
+        into the model, optimizer and extras; clears the taint."""
         if snapshot is None:
             snapshot = self.last_good
         if snapshot is None:
-            paths = self.checkpoints()
-            if not paths:
-                raise RuntimeError("rollback: no known-good snapshot or checkpoint to restore")
-            state = load_checkpoint(paths[-1])
-            snapshot = Snapshot(int(state.pop("step")), state)
+            snapshot = self._load_newest()
         snapshot.wait()
         for name, obj in self._stateful().items():
             if name in snapshot.state:
@@ -202,3 +519,18 @@ class SnapshotStore:
                 obj.load_state_dict(_to_host(snapshot.state[name], pin=False))
         self.tainted = False
         return snapshot
+
+
+def _check_extras(extras: Any) -> dict[str, Stateful]:
+    if extras is None:
+        return {}
+    if not isinstance(extras, dict):
+        raise TypeError(f"extras: expected a dict of name -> object with state_dict/load_state_dict, "
+                        f"got {type(extras).__name__}")
+    for key, obj in extras.items():
+        if not isinstance(key, str) or key in ("model", "optimizer", "step"):
+            raise ValueError(f"extras: expected names other than 'model', 'optimizer' and 'step', got {key!r}")
+        if isinstance(obj, type) or not all(callable(getattr(obj, m, None)) for m in ("state_dict", "load_state_dict")):
+            raise TypeError(f"extras[{key!r}]: expected an object with state_dict() and load_state_dict(), "
+                            f"got {type(obj).__name__}")
+    return dict(extras)

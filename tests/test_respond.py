@@ -150,7 +150,8 @@ def test_exit_response_exits_with_the_documented_code(tmp_path: Path, policy: st
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == code, proc.stdout + proc.stderr
     assert "not reached" not in proc.stdout
-    report = json.loads((tmp_path / "sdc_guard-exit.json").read_text())
+    report = json.loads((tmp_path / "sdc_guard-exit.json").read_text(),
+                        parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
     assert report["exit_code"] == code and report["classification"] == classification
     assert report["detections"][0]["site"] == "head"
 
@@ -184,14 +185,15 @@ def test_checkpoints_are_written_atomically_and_restored_after_a_restart(tmp_pat
     with sdc_guard.protect(model, snapshots=store) as guard:
         for step in range(6):
             guard.optimizer_step(opt, closure_for(model, opt, step))
-    names = sorted(p.name for p in store.checkpoints())
-    assert names == ["sdc_guard-step2.pt", "sdc_guard-step4.pt"]
+    names = [p.name for p in store.checkpoints()]  # the initial step-1 one and 0 pruned
+    assert names == [f"sdc_guard-{store.run_id}-step2.pt", f"sdc_guard-{store.run_id}-step4.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
     saved = params_of(model)  # state after step 5; checkpoint 4 is older
     fresh_model = make_model(seed=1)
     fresh_opt = torch.optim.Adam(fresh_model.parameters(), lr=1e-2)
     restored = sdc_guard.SnapshotStore(fresh_model, fresh_opt, checkpoint_dir=tmp_path).restore()
     assert restored.step == 4
-    state = sdc_guard.load_checkpoint(tmp_path / "sdc_guard-step4.pt")
+    state = sdc_guard.load_checkpoint(store.checkpoint_path(4))
     assert all(torch.equal(p, state["model"][n]) for n, p in fresh_model.state_dict().items())
     assert not torch.equal(params_of(fresh_model)[0], saved[0])
     assert fresh_opt.state_dict()["state"]

@@ -301,7 +301,7 @@ def test_inputs_are_never_modified() -> None:
         (lambda a, b, c: sdc_guard.verify_matmul(a, b, c.to("meta")), ValueError, "c: expected device cpu"),
         (lambda a, b, c: sdc_guard.verify_matmul(a[0], b, c), ValueError, "a: expected at least 2 dims"),
         (lambda a, b, c: sdc_guard.abft_verify(a, b, c, torch.ones(6)), ValueError, "checksum_weight: expected shape (7,)"),
-        (lambda a, b, c: sdc_guard.abft_verify(a, b, c, e_max=-1.0), ValueError, "e_max: expected a finite non-negative float"),
+        (lambda a, b, c: sdc_guard.abft_verify(a, b, c, e_max=-1.0), ValueError, "e_max: expected a finite float in (0, 1]"),
         (lambda a, b, c: sdc_guard.verify_matmul(a, b, c, bias=torch.ones(3)), ValueError, "bias: expected a shape broadcastable to (4, 7)"),
         (lambda a, b, c: sdc_guard.verify_matmul(a, b, c, alpha="2"), TypeError, "alpha: expected a real number"),
         (lambda a, b, c: sdc_guard.verify_matmul(a, b, c, backend="gpu9000"), ValueError, "backend: expected one of"),
