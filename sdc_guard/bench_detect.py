@@ -38,7 +38,7 @@ from .bench_common import (
     parse_dtypes, parse_names, parse_shape, pct, product, resolve_device, table,
 )
 from .confirm import confirm
-from .precision import SCREENS, SEGMENT, check_screen, resolve_screen
+from .precision import SCREENS, SEGMENT, resolve_screen
 
 _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 #: (first exponent bit, sign bit) per dtype; mantissa bits lie below the exponent.
@@ -60,18 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--magnitudes", default=",".join(f"{x:g}" for x in MAGNITUDES),
                         type=argtype(_floats), help="injected |error| / segment RMS of C, comma-separated")
     parser.add_argument("--e-max", type=float, default=None, help="e_max (default: the screen's default for the dtype)")
-    parser.add_argument("--screens", default="default,tight", type=argtype(_screens),
-                        help="comma list of screens to measure: " + ", ".join(SCREENS) + " (default both)")
+    parser.add_argument("--screens", default="default,tight",
+                        type=argtype(lambda t: parse_names(t, SCREENS, "screens")), help="comma list of screens to measure: " + ", ".join(SCREENS) + " (default both)")
     parser.add_argument("--backend", default=None, help="verification backend (default: the dispatcher's choice)")
-
-
-def _screens(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    for name in names:
-        check_screen(name)
-    if not names:
-        raise ValueError(f"screens: expected a comma list of {', '.join(SCREENS)}, got {text!r}")
-    return names
 
 
 def _floats(text: str) -> list[float]:

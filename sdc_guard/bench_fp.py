@@ -39,7 +39,7 @@ from .bench_common import (
     parse_dtypes, parse_names, parse_shape, product, resolve_device, shape_label, table,
 )
 from .confirm import confirm
-from .precision import SCREENS, check_screen, resolve_e_max
+from .precision import SCREENS, resolve_e_max
 
 #: The proposal's shape set for acceptance 1, CPU-sized: six LLM shapes (decode to prefill,
 #: attention/FFN) and four MOE-gate shapes.
@@ -91,8 +91,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     corpus.add_argument("--precisions", default="fp32,bf16,fp16", type=argtype(_precisions),
                         help="comma list of fp32, bf16, fp16 (default all)")
     corpus.add_argument("--steps", type=int, default=300, help="guarded training steps per run (default 300)")
-    corpus.add_argument("--screens", default="default,tight", type=argtype(_screens),
-                        help="comma list of default, tight (default both)")
+    corpus.add_argument("--screens", default="default,tight",
+                        type=argtype(lambda t: parse_names(t, SCREENS, "screens")), help="comma list of default, tight (default both)")
 
 
 def _models(text: str) -> list[str]:
@@ -120,15 +120,6 @@ def _precisions(text: str) -> list[str]:
     bad = [n for n in names if n not in PRECISIONS]
     if bad or not names:
         raise ValueError(f"precisions: expected a comma list of {', '.join(PRECISIONS)}, got {text!r}")
-    return names
-
-
-def _screens(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    for name in names:
-        check_screen(name)
-    if not names:
-        raise ValueError(f"screens: expected a comma list of {', '.join(SCREENS)}, got {text!r}")
     return names
 
 
