@@ -12,6 +12,13 @@ intact; loaded with ``weights_only=True``.
 
 With a sampler that verifies only some GEMMs, corruption can go unseen for a while and a
 snapshot taken in that while is "good" only as far as the guard could see.
+
+Under ``torch.distributed`` every rank keeps its own snapshots in memory, but only global
+rank 0 writes and prunes checkpoint files (as Lightning's ``ModelCheckpoint`` does): the
+replicas of a data-parallel job hold the same state, so one file serves them all, and
+``checkpoint_dir`` must be a folder every rank can read (a shared file system). A rank
+that restores from a file first waits at a barrier for rank 0's writes; a rollback is
+agreed in lockstep, so every rank gets there together.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
+
+from . import distributed
 
 
 class Stateful(Protocol):
@@ -93,7 +102,7 @@ class Snapshot:
         return self
 
 
-CHECKPOINT_PATTERN = re.compile(r"^sdc_guard-step(\d+)\.pt$")
+CHECKPOINT_PATTERN = re.compile(r"^sdc_guard-step(-?\d+)\.pt$")  # -1: before the first step
 
 
 class SnapshotStore:
@@ -170,6 +179,8 @@ class SnapshotStore:
 
     def _write(self, snap: Snapshot) -> None:
         assert self.checkpoint_dir is not None
+        if distributed.rank() != 0:
+            return  # one writer: the replicas' states are the same
         save_checkpoint(self.checkpoint_dir / f"sdc_guard-step{snap.step}.pt",
                         {"step": snap.step, **snap.wait().state})
         for old in self.checkpoints()[: -self.keep]:
@@ -189,6 +200,7 @@ class SnapshotStore:
         if snapshot is None:
             snapshot = self.last_good
         if snapshot is None:
+            distributed.barrier()  # rank 0's last write is complete before anyone reads
             paths = self.checkpoints()
             if not paths:
                 raise RuntimeError("rollback: no known-good snapshot or checkpoint to restore")
