@@ -151,7 +151,7 @@ class GuardedTraining:
         self.totals: dict[str, int] = dict.fromkeys(_TOTALS, 0)
         self.classifications: dict[str, int] = {}
         self.responses: dict[str, int] = {}
-        self._next_step = 0
+        self._next_step: int | None = None  #: the guard's next step; None: the trainer's
         self._last_good_loss: torch.Tensor | float | None = None
 
     # --- set-up ------------------------------------------------------------------------------
@@ -162,11 +162,13 @@ class GuardedTraining:
         if self.metrics_port is not None:
             self.metrics_url = self.metrics.serve(self.metrics_address, self.metrics_port + local_rank)
 
-    def start_guard(self, model: nn.Module, rank: int) -> Guard:
-        """The guard of the training steps (the step count continues a resumed run's)."""
+    def start_guard(self, model: nn.Module, rank: int, trainer_step: int) -> Guard:
+        """The guard of the training steps. Its step count continues a resumed run's, or
+        an earlier fit's; where no state said it (a fresh run, a checkpoint without it),
+        it starts at ``trainer_step``, the trainer's count of optimizer steps done."""
         self.guard = Guard(model, sampler=self.sampler, e_max=self.e_max, backend=self.backend,
                            policy=self.policy, metrics=self.metrics, rank=rank)
-        set_current_step(model, self._next_step)
+        set_current_step(model, self._next_step if self._next_step is not None else trainer_step)
         if self.verify_validation:
             # reports only: validation steps are not training steps, so no metrics sink
             self.val_guard = Guard(model, e_max=self.e_max, backend=self.backend, rank=rank)
@@ -314,7 +316,7 @@ class GuardedTraining:
         """Counters, the step count, the sampler's and policy's state: plain numbers,
         strings, lists and dicts with string keys (fit for JSON as well as ``torch.save``;
         no device tensor is read, so saving it every step costs no host sync)."""
-        step = current_step(self.guard.model) if self.guard is not None else self._next_step
+        step = current_step(self.guard.model) if self.guard is not None else (self._next_step or 0)
         return {
             "version": STATE_VERSION, "step": step, "totals": dict(self.totals),
             "classifications": dict(self.classifications), "responses": dict(self.responses),
@@ -326,7 +328,7 @@ class GuardedTraining:
         its default (a fresh run's value)."""
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict: expected a dict, got {type(state_dict).__name__}")
-        self._next_step = int(state_dict.get("step", 0))
+        self._next_step = int(state_dict["step"]) if "step" in state_dict else None
         self.totals = dict.fromkeys(_TOTALS, 0) | {k: int(v) for k, v in state_dict.get("totals", {}).items()}
         self.classifications = {k: int(v) for k, v in state_dict.get("classifications", {}).items()}
         self.responses = {k: int(v) for k, v in state_dict.get("responses", {}).items()}

@@ -113,7 +113,7 @@ class SDCGuard(GuardedTraining, Callback):
             self.start_metrics(trainer.global_rank, trainer.local_rank)
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.start_guard(pl_module, trainer.global_rank)
+        self.start_guard(pl_module, trainer.global_rank, trainer.global_step)
         for optimizer in trainer.optimizers:
             self._patch(optimizer, pl_module)
 

@@ -216,7 +216,7 @@ class SDCGuardCallback(GuardedTraining, TrainerCallback):
         if saved is not None and state.global_step > 0:  # resume_from_checkpoint
             self.load_state_dict(saved)
         self.start_metrics(args.process_index, args.local_process_index)
-        self.start_guard(model, args.process_index)
+        self.start_guard(model, args.process_index, state.global_step)
         wrapped = trainer.optimizer  # accelerate's AcceleratedOptimizer around the torch one
         inner = getattr(wrapped, "optimizer", wrapped)
         self._snapshots = self.snapshot_store(model, inner)

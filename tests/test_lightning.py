@@ -148,11 +148,16 @@ def test_load_state_dict_accepts_what_earlier_versions_wrote() -> None:
     callback = sdc_guard.SDCGuard(metrics_port=None, sampler=EveryN(3))
     assert callback.state_key == "SDCGuard"
     callback.load_state_dict({"step": 7, "totals": {"steps": 7, "detections": 1}})  # no counts, sampler, policy
-    assert callback._next_step == 7 and callback.classifications == {} and callback.responses == {}
+    assert callback.classifications == {} and callback.responses == {}
     assert callback.totals == {"steps": 7, "gemms_verified": 0, "detections": 1}
     assert callback.sampler.state_dict() == EveryN(3).state_dict() and callback.policy.persistent_steps == []
+    model = torch.nn.Linear(2, 2)
+    callback.start_guard(model, rank=0, trainer_step=4)
+    assert sdc_guard.guard.current_step(model) == 7  # the state's step
     callback.load_state_dict({})
-    assert callback._next_step == 0 and callback.totals == {"steps": 0, "gemms_verified": 0, "detections": 0}
+    assert callback.totals == {"steps": 0, "gemms_verified": 0, "detections": 0}
+    callback.start_guard(model, rank=0, trainer_step=4)
+    assert sdc_guard.guard.current_step(model) == 4  # no step in the state: the trainer's
     state = callback.state_dict()
     assert state["version"] == 1 and json.loads(json.dumps(state)) == state
 
