@@ -250,9 +250,9 @@ class SDCGuardCallback(GuardedTraining, TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        self._stop()
         if state.is_world_process_zero:
-            print(self.summary())
+            print(self.summary())  # while the endpoint it names still serves
+        self._stop()
 
     def _stop(self) -> None:
         """Leave the Trainer as it was found: methods restored, endpoint closed."""
