@@ -4,31 +4,49 @@ The callback verifies the GEMMs of every training batch (and, if asked, of valid
 batches), answers detections through ``Guard.optimizer_step`` before the optimizer update
 (Lightning runs ``training_step`` and ``backward`` inside the closure it hands to
 ``optimizer.step``, which is exactly what re-execution needs), exports metrics to
-Prometheus, logs per-step values through the trainer's loggers and keeps its own state in
-checkpoints.
+Prometheus, logs per-step values and keeps its own state in checkpoints. What it shares
+with the Hugging Face callback (arguments, responses, counters, summary, state) is
+``sdc_guard.integrations.guarded_training.GuardedTraining``.
+
+Lightning's conventions, and how the callback follows them:
+
+- Values land in ``trainer.callback_metrics`` on every optimizer step
+  (``pl_module.log_dict(..., logger=False)``), with or without loggers, so that
+  ``EarlyStopping``, ``ModelCheckpoint(monitor="sdc/flag")`` and progress bars can use
+  them. The callback hands them to the loggers itself (``logger.log_metrics`` at the
+  step's number, as Lightning's own logging does): routine steps at the Trainer's
+  ``log_every_n_steps`` (or the callback's own), a step with a detection always. Left to
+  Lightning, a detection at step 30 of a default Trainer (interval 50) never reached a
+  logger.
+- The loss handed back to Lightning for a step (its ``outputs["loss"]``): the re-run's for
+  a clean re-execution; for a skipped or rolled-back step, the last good step's, written
+  into the tensor the closure returned, so that a handled fault never shows as a diverged
+  run. Values a module logs with ``self.log`` inside ``training_step`` are whatever that
+  (corrupted) run computed; log the loss from ``on_train_batch_end``'s ``outputs`` to show
+  the handed-back one.
+- ``state_key`` is ``"SDCGuard"``, the key earlier versions' checkpoints have, and
+  ``load_state_dict`` fills keys an earlier version did not write with their defaults.
+- Snapshot checkpoints (``checkpoint_dir``) are written and pruned on global rank 0 only,
+  like ``ModelCheckpoint``; a rank restoring from one waits for rank 0 at a barrier.
 """
 
 from __future__ import annotations
 
-import types
-from typing import Any
+from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
-from sdc_guard.guard import Guard, check_backend, current_step, set_current_step
-from sdc_guard.metrics import GuardMetrics
-from sdc_guard.policy import Policy, StepOutcome
-from sdc_guard.precision import check_e_max
-from sdc_guard.sampling import Full, Sampler, check_sampler
-from sdc_guard.snapshot import SnapshotStore, check_checkpoint_dir
+from sdc_guard.integrations.guarded_training import DEFAULT_METRICS_PORT, GuardedTraining, replace_method
+from sdc_guard.policy import Policy
+from sdc_guard.sampling import Sampler
 
-DEFAULT_METRICS_PORT = 9464
+__all__ = ["DEFAULT_METRICS_PORT", "SDCGuard"]
 
 
-class SDCGuard(Callback):
+class SDCGuard(GuardedTraining, Callback):
     """Verify every training GEMM; respond to silent data corruption; export metrics.
 
     Args:
@@ -41,8 +59,9 @@ class SDCGuard(Callback):
             the step is skipped instead.
         snapshot_every: steps between in-memory known-good snapshots (rollback targets).
         checkpoint_dir: if set, known-good snapshots are also written there atomically
-            (created if missing; one that cannot be written is an error here).
-        e_max: threshold coefficient override in (0, 1] (default: per dtype, see ``VABFT.md``).
+            (by global rank 0; a folder every rank can read).
+        e_max: threshold coefficient override in (0, 1] (default: per dtype, see
+            ``docs/ALGORITHM.md``).
         backend: force a verification backend (default: best available); one that is
             unusable here is an error here, one that cannot serve the model's tensors an
             error at fit start.
@@ -52,7 +71,9 @@ class SDCGuard(Callback):
             warns once and training continues.
         metrics_address: address to bind (default loopback).
         pushgateway: push metrics there at the end of fit (for short or batch jobs).
-        log_every_n_steps: how often to log per-step values to the trainer's loggers.
+        log_every_n_steps: how often routine per-step values go to the trainer's
+            loggers. Default ``None``: at ``Trainer(log_every_n_steps)``. A step with a
+            detection is always logged; ``trainer.callback_metrics`` has every step's.
 
     Every argument is checked here: a bad one raises ``TypeError`` / ``ValueError``
     naming it, before any training step.
@@ -75,95 +96,63 @@ class SDCGuard(Callback):
         metrics_port: int | None = DEFAULT_METRICS_PORT,
         metrics_address: str = "127.0.0.1",
         pushgateway: str | None = None,
-        log_every_n_steps: int = 1,
+        log_every_n_steps: int | None = None,
     ) -> None:
-        super().__init__()
-        if sampler is not None:
-            check_sampler(sampler, stateful=True)  # its state goes into Lightning checkpoints
-        if policy is not None and not isinstance(policy, Policy):
-            raise TypeError(f"policy: expected a sdc_guard.Policy or None, got {type(policy).__name__} {policy!r}")
-        if metrics_port is not None and (isinstance(metrics_port, bool) or not isinstance(metrics_port, int)
-                                         or not 0 <= metrics_port < 65536):
-            raise ValueError(f"metrics_port: expected an int in 0..65535 or None, got {metrics_port!r}")
-        for name, value in (("snapshot_every", snapshot_every), ("log_every_n_steps", log_every_n_steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if checkpoint_dir is not None:
-            check_checkpoint_dir(checkpoint_dir)
-        if e_max is not None:
-            check_e_max(e_max)
-        check_backend(backend)  # the model's devices are checked again at fit start
-        if not isinstance(verify_validation, bool):
-            raise TypeError(f"verify_validation: expected a bool, got {type(verify_validation).__name__} "
-                            f"{verify_validation!r}")
-        if not isinstance(metrics_address, str) or not metrics_address:
-            raise ValueError(f"metrics_address: expected a host name or IP address such as '127.0.0.1', "
-                             f"got {metrics_address!r}")
-        if pushgateway is not None and (not isinstance(pushgateway, str) or not pushgateway):
-            raise TypeError(f"pushgateway: expected a Pushgateway address such as 'http://host:9091' or None, "
-                            f"got {type(pushgateway).__name__} {pushgateway!r}")
-        self.sampler = sampler if sampler is not None else Full()
-        self.policy = policy if policy is not None else Policy()
-        self.snapshot_every = snapshot_every
-        self.checkpoint_dir = checkpoint_dir
-        self.e_max = e_max
-        self.backend = backend
-        self.verify_validation = verify_validation
-        self.metrics_port = metrics_port
-        self.metrics_address = metrics_address
-        self.pushgateway = pushgateway
-        self.log_every_n_steps = log_every_n_steps
-        self.metrics: GuardMetrics | None = None
-        self.metrics_url: str | None = None
-        self.guard: Guard | None = None
-        self.totals: dict[str, int] = {"steps": 0, "gemms_verified": 0, "detections": 0}
-        self.classifications: dict[str, int] = {}
-        self.responses: dict[str, int] = {}
-        self._next_step = 0
-        self._patched: list[tuple[torch.optim.Optimizer, Any]] = []
-        self._val_guard: Guard | None = None
+        GuardedTraining.__init__(
+            self, sampler=sampler, policy=policy, snapshot_every=snapshot_every, checkpoint_dir=checkpoint_dir,
+            e_max=e_max, backend=backend, verify_validation=verify_validation, metrics_port=metrics_port,
+            metrics_address=metrics_address, pushgateway=pushgateway, log_every_n_steps=log_every_n_steps)
+        Callback.__init__(self)
+        self._undo: list[Callable[[], None]] = []
         self._steps_at_batch_start = 0
+
+    @property
+    def state_key(self) -> str:
+        """Where the checkpoint keeps this callback's state: one guard per Trainer, and the
+        key earlier versions used, so their checkpoints still load."""
+        return "SDCGuard"
 
     # --- fit lifecycle ---------------------------------------------------------------------
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if stage != "fit":
-            return
-        self.metrics = GuardMetrics(rank=trainer.global_rank,
-                                    budget=getattr(self.sampler, "max_overhead", None))
-        if self.metrics_port is not None:
-            self.metrics_url = self.metrics.serve(self.metrics_address, self.metrics_port + trainer.local_rank)
+        if stage == "fit":
+            self.start_metrics(trainer.global_rank, trainer.local_rank)
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.guard = Guard(pl_module, sampler=self.sampler, e_max=self.e_max, backend=self.backend,
-                           policy=self.policy, metrics=self.metrics, rank=trainer.global_rank)
-        set_current_step(pl_module, self._next_step)
+        self.start_guard(pl_module, trainer.global_rank, trainer.global_step)
         for optimizer in trainer.optimizers:
             self._patch(optimizer, pl_module)
-        if self.verify_validation:
-            # reports only: validation steps are not training steps, so no metrics sink
-            self._val_guard = Guard(pl_module, e_max=self.e_max, backend=self.backend,
-                                    rank=trainer.global_rank)
 
     def _patch(self, optimizer: torch.optim.Optimizer, pl_module: "pl.LightningModule") -> None:
         """Route ``optimizer.step(closure)`` through the guard (closure = training_step +
         backward), keeping the original step for the update itself."""
         original = optimizer.step
-        snapshots = SnapshotStore(pl_module, optimizer, every=self.snapshot_every,
-                                  checkpoint_dir=self.checkpoint_dir)
+        snapshots = self.snapshot_store(pl_module, optimizer)
         callback = self
 
         def guarded_step(opt: torch.optim.Optimizer, closure: Any = None, **kwargs: Any) -> Any:
-            guard = callback.guard
-            assert guard is not None
-            guard.snapshots = snapshots
-            step_fn = (lambda: original(**kwargs)) if kwargs else original
-            outcome = guard.optimizer_step(opt, closure, step_fn=step_fn)
-            callback._record(outcome)
-            return outcome.loss
+            returned: list[Any] = []  # what the closure gave Lightning, last call last
 
-        optimizer.step = types.MethodType(guarded_step, optimizer)  # type: ignore[method-assign]
-        self._patched.append((optimizer, original))
+            def run() -> Any:
+                loss = closure()
+                returned.append(loss)
+                # the guard's outcome keeps a copy: the tensor Lightning holds may be rewritten
+                return loss.detach().clone() if isinstance(loss, torch.Tensor) else loss
+
+            step_fn = (lambda: original(**kwargs)) if kwargs else original
+            outcome = callback.guarded_step(opt, run if closure is not None else None, step_fn=step_fn,
+                                            snapshots=snapshots)
+            handed = callback.handed_back_loss(outcome)
+            if handed is not outcome.loss and returned and isinstance(returned[-1], torch.Tensor):
+                # Lightning reads the step's loss from its closure's result, which is this tensor
+                returned[-1].copy_(torch.as_tensor(handed))
+            return returned[-1] if returned else outcome.loss
+
+        self._undo.append(replace_method(optimizer, "step", guarded_step))
+
+    def _unpatch(self) -> None:
+        while self._undo:
+            self._undo.pop()()
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
@@ -180,103 +169,38 @@ class SDCGuard(Callback):
         if self.totals["steps"] == self._steps_at_batch_start:
             return  # an accumulation micro-batch: no optimizer step yet
         outcome = self.guard.outcomes[-1]
-        if trainer.loggers and trainer.global_step % self.log_every_n_steps == 0:
-            report = outcome.report
-            pl_module.log_dict({
-                "sdc/flag": float(bool(outcome.flagged_ranks)),
-                "sdc/gemms_verified": float(report.verified),
-                "sdc/overhead": float(report.overhead),
-            }, on_step=True, on_epoch=False, prog_bar=False, logger=True)
+        values = self.step_values(outcome)
+        pl_module.log_dict(values, on_step=True, on_epoch=False, prog_bar=False, logger=False)
+        interval = trainer.log_every_n_steps
+        trainer_logs = bool(interval) and (outcome.step + 1) % interval == 0
+        if trainer.loggers and self.should_log(outcome, trainer_logs):
+            for logger in trainer.loggers:
+                logger.log_metrics(values, step=outcome.step)
+                logger.save()
 
     def on_validation_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
-        if self._val_guard is not None:
-            self._val_guard.__enter__()
+        self.begin_validation_batch()
 
     def on_validation_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
                                 batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        if self._val_guard is not None:
-            self._val_guard.__exit__(None, None, None)
-            report = self._val_guard.last_report
-            if report is not None and report.flagged:
-                rank_zero_info(f"sdc_guard: corruption in a validation batch: {report.detections}")
+        report = self.end_validation_batch()
+        if report is not None:
+            rank_zero_info(f"sdc_guard: corruption in a validation batch: {report.detections}")
 
     def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        for optimizer, original in self._patched:
-            optimizer.step = original  # type: ignore[method-assign]
-        self._patched.clear()
-        if self.guard is not None:
-            self.guard.deactivate()
-            self._next_step = current_step(pl_module)
-        if self.metrics is not None and self.pushgateway:
-            self.metrics.push(self.pushgateway, job="sdc_guard")
+        self._unpatch()
+        self.finish()
         if trainer.is_global_zero:
             print(self.summary())
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
         if self.guard is not None:
             self.guard.deactivate()
-        for optimizer, original in self._patched:
-            optimizer.step = original  # type: ignore[method-assign]
-        self._patched.clear()
+        self._unpatch()
         # Lightning skips the callbacks' teardown after an exception: free the port here
-        close = getattr(self.metrics, "close", None)
-        if close is not None:
-            close()
+        self.close_metrics()
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        close = getattr(self.metrics, "close", None)
-        if close is not None and stage == "fit":
-            close()
-
-    # --- bookkeeping -----------------------------------------------------------------------
-
-    def _record(self, outcome: StepOutcome) -> None:
-        self.totals["steps"] += 1
-        self.totals["gemms_verified"] += outcome.report.verified + sum(r.verified for r in outcome.reruns)
-        if outcome.flagged_ranks:
-            self.totals["detections"] += 1
-            key = outcome.classification or "unconfirmed"
-            self.classifications[key] = self.classifications.get(key, 0) + 1
-            if outcome.action:
-                self.responses[outcome.action] = self.responses.get(outcome.action, 0) + 1
-
-    def summary(self) -> str:
-        """A few lines a person reads at a glance."""
-        guard = self.guard
-        overheads = [r.overhead for r in guard.reports if r.attempt == 0] if guard else []
-        mean_overhead = sum(overheads) / len(overheads) if overheads else 0.0
-        lines = [
-            "sdc-guard summary",
-            f"  steps guarded      {self.totals['steps']}",
-            f"  GEMMs verified     {self.totals['gemms_verified']}",
-            f"  detections         {self.totals['detections']}"
-            + (f"  ({', '.join(f'{k}: {v}' for k, v in sorted(self.classifications.items()))})"
-               if self.classifications else ""),
-            f"  responses          {', '.join(f'{k}: {v}' for k, v in sorted(self.responses.items())) or 'none'}",
-            f"  overhead (recent)  {100 * mean_overhead:.1f} % of step time",
-        ]
-        if guard is not None:
-            for outcome in guard.outcomes:
-                for d in outcome.report.detections:
-                    lines.append(f"    step {d.step}: {d.site} ({d.phase} {d.op}) rank {d.rank} "
-                                 f"rows {d.rows[:4]} -> {outcome.classification}, {outcome.action}")
-        if self.metrics_url:
-            lines.append(f"  metrics            {self.metrics_url}")
-        return "\n".join(lines)
-
-    def state_dict(self) -> dict[str, Any]:
-        step = current_step(self.guard.model) if self.guard is not None else self._next_step
-        return {
-            "step": step, "totals": dict(self.totals), "classifications": dict(self.classifications),
-            "responses": dict(self.responses), "sampler": self.sampler.state_dict(),
-            "policy": self.policy.state_dict(),
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._next_step = int(state_dict["step"])
-        self.totals = dict(state_dict["totals"])
-        self.classifications = dict(state_dict["classifications"])
-        self.responses = dict(state_dict["responses"])
-        self.sampler.load_state_dict(state_dict["sampler"])
-        self.policy.load_state_dict(state_dict["policy"])
+        if stage == "fit":
+            self.close_metrics()

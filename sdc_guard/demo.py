@@ -78,11 +78,12 @@ def _lit_module(data: CharData, cfg: GPTConfig, args: argparse.Namespace) -> Any
             self.losses: list[float] = []
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            loss = self.model.loss(*batch)
-            self.log("loss", loss, prog_bar=True)
-            return loss
+            return self.model.loss(*batch)
 
         def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            # the step's loss as the guard handed it back: a rolled-back step shows the
+            # last good loss, not the corrupted run's NaN
+            self.log("loss", outputs["loss"], prog_bar=True)
             self.losses.append(float(outputs["loss"]))
 
         def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -62,3 +62,10 @@ def agree_max(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
+
+
+def barrier() -> None:
+    """Wait until every rank gets here (a no-op without a process group): the ranks that
+    read a file wait for the one that writes it."""
+    if is_distributed():
+        dist.barrier()

@@ -222,14 +222,18 @@ class Guard:
         return report
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None,
-                       *, step_fn: Callable[[], Any] | None = None) -> StepOutcome:
+                       *, step_fn: Callable[[], Any] | None = None, replay: bool = False,
+                       loss: Any = None) -> StepOutcome:
         """Run ``closure`` (zero_grad, forward, backward; returns the loss) as one guarded
         step, respond to any detection per the policy, then step ``optimizer`` unless the
         response says not to. Closes the step (no ``guard.step()`` needed). GEMMs that ran
         in the step before ``closure`` (earlier micro-batches of gradient accumulation) are
         verified too, but cannot be re-executed: a detection there is answered by ``skip``
         instead of ``recompute``; so is one with ``closure=None``. ``step_fn`` replaces
-        ``optimizer.step`` (for integrations that patch it).
+        ``optimizer.step`` (for integrations that patch it). ``replay=True`` says the
+        step's forward and backward already ran and gave ``loss``: ``closure`` is then
+        called only to re-execute, and re-runs the whole step itself, restoring the RNG
+        state and gradients it starts from (the Hugging Face callback's case).
 
         >>> model = torch.nn.Linear(4, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> def closure():
@@ -246,7 +250,7 @@ class Guard:
         if self._responder is None or self._responder.optimizer is not optimizer:
             self._responder = Responder(self, optimizer, self.policy, self.snapshots, step_fn)
             self.snapshots = self._responder.snapshots
-        return self._responder.run(closure)
+        return self._responder.run(closure, replay=replay, loss=loss)
 
     @property
     def step_open(self) -> bool:

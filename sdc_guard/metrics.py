@@ -64,11 +64,15 @@ from __future__ import annotations
 
 import math
 import os
+import socket
+import socketserver
+import threading
 import time
 import warnings
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, push_to_gateway, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app, push_to_gateway
 
 from . import distributed
 from .report import StepReport
@@ -92,6 +96,26 @@ def default_port() -> int:
         return DEFAULT_PORT + int(local)
     except ValueError:
         raise ValueError(f"LOCAL_RANK: expected an int in the environment, got {local!r}") from None
+
+
+class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape in flight never holds the process open
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # no line per scrape on stderr
+        pass
+
+
+def _start_http_server(address: str, port: int, registry: CollectorRegistry) -> WSGIServer:
+    """``prometheus_client.start_http_server`` made here: that returns the server (to read
+    its port and shut it down) only from prometheus-client 0.20 on, and None before."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM,
+                                                   flags=socket.AI_PASSIVE)[0]
+    server_class = type("_Server", (_ThreadingServer,), {"address_family": family})
+    server = make_server(sockaddr[0], port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="sdc_guard-metrics", daemon=True).start()
+    return server
 
 
 def _resolve_rank(rank: int | None) -> int:
@@ -313,7 +337,7 @@ class GuardMetrics:
         if self._server is not None:
             return self.url
         try:
-            server, _ = start_http_server(port, addr=address, registry=self.registry)
+            server = _start_http_server(address, port, self.registry)
         except OSError as exc:
             self._warn_once("serve", f"sdc_guard: cannot serve metrics on {address}:{port} ({exc}); "
                                      "training continues without a metrics endpoint")

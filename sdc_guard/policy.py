@@ -266,13 +266,19 @@ class Responder:
         if self.snapshots.last_good is None and not self.snapshots.checkpoints():
             self.snapshots.take(guard.step_index - 1)  # the state before the first guarded step
 
-    def run(self, closure: Callable[[], Any] | None) -> StepOutcome:
+    def run(self, closure: Callable[[], Any] | None, *, replay: bool = False, loss: Any = None) -> StepOutcome:
         """One guarded step. ``closure=None`` (manual optimisation, GEMMs run before the
-        step was called) leaves nothing to re-execute: recompute becomes skip."""
+        step was called) leaves nothing to re-execute: recompute becomes skip.
+
+        ``replay=True``: the step's forward and backward already ran and gave ``loss``
+        (the Hugging Face Trainer runs them before it calls the optimizer); ``closure`` is
+        called only to re-execute, re-runs the whole step and restores the RNG state and
+        gradients it starts from itself, so every GEMM of the step can be re-run."""
         rng = _Rng.capture()
-        grads_before = _grads(self._params)
-        closure_start = self.guard.gemms_seen  # GEMMs before this point cannot be re-run
-        loss = closure() if closure is not None else None
+        grads_before = None if replay else _grads(self._params)
+        closure_start = 0 if replay else self.guard.gemms_seen  # GEMMs before this point cannot be re-run
+        if not replay:
+            loss = closure() if closure is not None else None
         report = self.guard.end_step()
         outcome = StepOutcome(report.step, loss, report, distributed.flagged_ranks(report.flagged > 0))
         try:
@@ -292,7 +298,7 @@ class Responder:
         return outcome
 
     def _respond(self, outcome: StepOutcome, closure: Callable[[], Any] | None, rng: _Rng,
-                 grads_before: list[Tensor | None]) -> None:
+                 grads_before: list[Tensor | None] | None) -> None:
         action = self.policy.on_detection
         outcome.classification = "unconfirmed"
         if action == "recompute" and closure is None:
@@ -316,13 +322,14 @@ class Responder:
         self._apply(action, outcome)
 
     def _triage(self, outcome: StepOutcome, closure: Callable[[], Any], rng: _Rng,
-                grads_before: list[Tensor | None]) -> Triage:
+                grads_before: list[Tensor | None] | None) -> Triage:
         """Re-run the step ``policy.reruns`` times on every rank; classify; agree."""
         original = _signature(outcome.report)
         signatures, rerun_grads = [], []
         for _ in range(self.policy.reruns):
             rng.restore()
-            _set_grads(self._params, grads_before)
+            if grads_before is not None:  # None: a replaying closure restores its own
+                _set_grads(self._params, grads_before)
             self.guard.begin_step(rerun=True)
             outcome.loss = closure()
             rerun = self.guard.end_step()

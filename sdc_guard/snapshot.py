@@ -36,6 +36,13 @@ step whose optimizer update already happened.
 
 With a sampler that verifies only some GEMMs, corruption can go unseen for a while and a
 snapshot taken in that while is "good" only as far as the guard could see.
+
+Under ``torch.distributed`` every rank keeps its own snapshots in memory, but only global
+rank 0 writes and prunes checkpoint files (as Lightning's ``ModelCheckpoint`` does): the
+replicas of a data-parallel job hold the same state, so one file serves them all, and
+``checkpoint_dir`` must be a folder every rank can read (a shared file system). A rank
+that restores from a file first waits at a barrier for rank 0's writes; a rollback is
+agreed in lockstep, so every rank gets there together.
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
+
+from . import distributed
 
 log = logging.getLogger("sdc_guard")
 
@@ -426,6 +435,8 @@ class SnapshotStore:
         return self.checkpoint_dir / f"sdc_guard-{self.run_id}-step{step}.pt"
 
     def _write(self, snap: Snapshot) -> None:
+        if distributed.rank() != 0:
+            return  # one writer: the replicas' states are the same
         path = save_checkpoint(self.checkpoint_path(snap.step), {"step": snap.step, **snap.wait().state})
         self._unloadable.discard(path)
         self._written = [p for p in self._written if p != path] + [path]
@@ -510,6 +521,7 @@ class SnapshotStore:
         if snapshot is None:
             snapshot = self.last_good
         if snapshot is None:
+            distributed.barrier()  # rank 0's last write is complete before anyone reads
             snapshot = self._load_newest()
         snapshot.wait()
         for name, obj in self._stateful().items():

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sdc_guard
-from respond_helpers import make_model, train
+from respond_helpers import closure_for, make_model, train
 
 
 def run(rank: int, world_size: int, port: int, scenario: str, out_dir: str) -> None:
@@ -21,6 +21,10 @@ def run(rank: int, world_size: int, port: int, scenario: str, out_dir: str) -> N
     try:
         model = make_model()
         ddp = DDP(model)
+        if scenario == "checkpoints":
+            _checkpoints(model, ddp, rank, Path(out_dir))
+            dist.barrier()
+            return
         faults: tuple = ()
         if scenario == "transient" and rank == 1:
             faults = (sdc_guard.GemmFault(site="blocks.0.fc1", phase="forward", step=2),)
@@ -36,3 +40,17 @@ def run(rank: int, world_size: int, port: int, scenario: str, out_dir: str) -> N
         dist.barrier()  # no rank tears gloo down while another still talks to it
     finally:
         dist.destroy_process_group()
+
+
+def _checkpoints(model: torch.nn.Module, ddp: torch.nn.Module, rank: int, out: Path) -> None:
+    """Snapshot checkpoints in one shared folder: rank 0 writes them, every rank can roll
+    back from them. A folder of each rank's own shows who writes."""
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    store = sdc_guard.SnapshotStore(model, opt, every=2, keep=2, checkpoint_dir=out / "shared")
+    with sdc_guard.protect(model, snapshots=store) as guard:
+        for step in range(5):
+            guard.optimizer_step(opt, closure_for(ddp, opt, step, rank))
+    sdc_guard.SnapshotStore(model, opt, checkpoint_dir=out / f"own{rank}").take(9)
+    store.snapshots.clear()  # as after a restart: the newest checkpoint is the rollback target
+    restored = store.restore()
+    torch.save({"step": restored.step, "params": [p.detach() for p in model.parameters()]}, out / f"rank{rank}.pt")

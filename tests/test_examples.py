@@ -39,6 +39,15 @@ def test_lightning_example() -> None:
     assert "GEMMs verified: 390, detections: 0" in out
 
 
+def test_hf_trainer_example_recomputes_the_injected_fault() -> None:
+    pytest.importorskip("transformers")
+    out = run(str(EXAMPLES / "hf_trainer.py"), "--steps", "6", "--ctx", "32", "--batch", "4", "--fault-step", "3",
+              "--metrics-port", "0").stdout
+    assert "step 3: corruption in transformer.h.0.attn.c_attn (forward addmm) -> transient, recompute" in out
+    # 6 steps x 39 GEMMs, and the re-executed step's 39; the detection step logged (logging_steps=20)
+    assert "GEMMs verified: 273, detections: 1, log entries with sdc/*: 1" in out
+
+
 def test_custom_loop_example_recomputes_the_injected_fault() -> None:
     out = run(str(EXAMPLES / "custom_loop.py"), "--steps", "8", "--fault-step", "5").stdout
     assert "step 5: corruption in blocks.0.fc1 (forward addmm) -> transient, recompute" in out

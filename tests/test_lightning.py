@@ -1,6 +1,7 @@
 """Trainer(callbacks=[SDCGuard()]): real Trainer.fit runs, clean and under fault drills."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -10,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.utilities import rank_zero_only
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -26,7 +28,7 @@ HERE = Path(__file__).parent
 def fit(module, callback, tmp_path, *, steps=8, faults=(), ckpt_path=None, **trainer_kwargs):
     kwargs = dict(accelerator="cpu", devices=1, max_steps=steps, logger=CSVLogger(tmp_path),
                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                  limit_val_batches=0, log_every_n_steps=1)
+                  limit_val_batches=0)
     kwargs.update(trainer_kwargs)
     trainer = Trainer(callbacks=[callback, *kwargs.pop("callbacks", [])], **kwargs)
     if faults:
@@ -50,19 +52,127 @@ def test_from_sdc_guard_import_is_lazy() -> None:
     assert sdc_guard.SDCGuard is SDCGuard
 
 
+class Recording(Logger):
+    """A logger that keeps what it is given: (step, metrics) per call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, dict]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @rank_zero_only
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    @rank_zero_only
+    def log_metrics(self, metrics, step=None) -> None:
+        self.calls.append((step, dict(metrics)))
+
+    def sdc(self) -> list[tuple[int, dict]]:
+        return [(step, m) for step, m in self.calls if "sdc/flag" in m]
+
+
 def test_clean_run_with_defaults_logs_and_summarises(tmp_path: Path, capsys) -> None:
     module = LitGPT()
     callback = sdc_guard.SDCGuard(metrics_port=None)
-    trainer = fit(module, callback, tmp_path, steps=6)
+    trainer = fit(module, callback, tmp_path, steps=6, log_every_n_steps=2)
     assert callback.totals == {"steps": 6, "gemms_verified": callback.totals["gemms_verified"], "detections": 0}
     assert callback.totals["gemms_verified"] == 6 * 21  # 21 GEMMs per step in this model
     assert all(r.flagged == 0 for r in callback.guard.reports)
-    assert trainer.logged_metrics["sdc/flag"] == 0
-    assert trainer.logged_metrics["sdc/gemms_verified"] == 21
+    assert [o.step for o in callback.outcomes] == list(range(6)) and len(callback.reports) == 6
+    assert trainer.callback_metrics["sdc/flag"] == 0
+    assert trainer.callback_metrics["sdc/gemms_verified"] == 21
     out = capsys.readouterr().out
     assert "sdc-guard summary" in out and "steps guarded      6" in out and "detections         0" in out
     rows = (Path(trainer.logger.log_dir) / "metrics.csv").read_text().splitlines()
-    assert "sdc/overhead" in rows[0] and len(rows) > 6
+    header = rows[0].split(",")
+
+    def steps_with(key: str) -> list[int]:
+        return [int(r.split(",")[header.index("step")]) for r in rows[1:] if r.split(",")[header.index(key)]]
+
+    assert steps_with("sdc/flag") == steps_with("train_loss") == [1, 3, 5]  # the Trainer's interval
+
+
+def test_detection_reaches_the_loggers_at_the_default_interval(tmp_path: Path) -> None:
+    """Trainer(log_every_n_steps) left at 50: no routine step of 14 is logged, the detection
+    at step 12 is all the same."""
+    logger = Recording()
+    callback = sdc_guard.SDCGuard(metrics_port=None)
+    fit(LitGPT(), callback, tmp_path, steps=14, logger=logger,
+        faults=(GemmFault(site="model.blocks.0.fc1", phase="forward", step=12),))
+    sdc = logger.sdc()
+    assert [(step, m["sdc/flag"], m["sdc/gemms_verified"]) for step, m in sdc] == [(12, 1.0, 21)]
+    assert math.isfinite(sdc[0][1]["sdc/loss"])
+    assert callback.outcomes[12].classification == "transient"
+
+
+def test_values_reach_callback_metrics_without_a_logger(tmp_path: Path) -> None:
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "best", monitor="sdc/gemms_verified", mode="max",
+                                 every_n_train_steps=2, save_top_k=1)
+    trainer = fit(LitGPT(), sdc_guard.SDCGuard(metrics_port=None), tmp_path, steps=4, logger=False,
+                  enable_checkpointing=True, callbacks=[checkpoint])
+    assert trainer.callback_metrics["sdc/flag"] == 0 and trainer.callback_metrics["sdc/gemms_verified"] == 21
+    assert checkpoint.best_model_path and Path(checkpoint.best_model_path).exists()
+    assert checkpoint.best_model_score == 21
+
+
+def test_skipped_step_hands_back_the_last_good_loss(tmp_path: Path) -> None:
+    losses = {}
+
+    class Losses(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses[trainer.global_step - 1] = outputs["loss"].item()
+
+    logger = Recording()
+    callback = sdc_guard.SDCGuard(metrics_port=None, policy=Policy(on_detection="skip"), log_every_n_steps=3)
+    fit(LitGPT(), callback, tmp_path, steps=5, callbacks=[Losses()], logger=logger,
+        faults=(GemmFault(site="model.head", phase="forward", step=3),))
+    hit = [o for o in callback.guard.outcomes if o.flagged_ranks]
+    assert [(o.step, o.action, o.stepped) for o in hit] == [(3, "skip", False)]
+    assert hit[0].loss.item() != losses[2]  # the corrupted run's loss, kept in the outcome
+    assert losses[3] == losses[2]  # handed back to Lightning: the last good one
+    assert all(math.isfinite(v) for v in losses.values())
+    # the callback's own interval (steps 2, 5, ...) over the Trainer's 50, and the detection
+    assert [(step, m["sdc/flag"], m.get("sdc/loss")) for step, m in logger.sdc()] == [
+        (2, 0.0, None), (3, 1.0, losses[2])]
+
+
+def test_load_state_dict_accepts_what_earlier_versions_wrote() -> None:
+    callback = sdc_guard.SDCGuard(metrics_port=None, sampler=EveryN(3))
+    assert callback.state_key == "SDCGuard"
+    callback.load_state_dict({"step": 7, "totals": {"steps": 7, "detections": 1}})  # no counts, sampler, policy
+    assert callback.classifications == {} and callback.responses == {}
+    assert callback.totals == {"steps": 7, "gemms_verified": 0, "detections": 1}
+    assert callback.sampler.state_dict() == EveryN(3).state_dict() and callback.policy.persistent_steps == []
+    model = torch.nn.Linear(2, 2)
+    callback.start_guard(model, rank=0, trainer_step=4)
+    assert sdc_guard.guard.current_step(model) == 7  # the state's step
+    callback.load_state_dict({})
+    assert callback.totals == {"steps": 0, "gemms_verified": 0, "detections": 0}
+    callback.start_guard(model, rank=0, trainer_step=4)
+    assert sdc_guard.guard.current_step(model) == 4  # no step in the state: the trainer's
+    state = callback.state_dict()
+    assert state["version"] == 1 and json.loads(json.dumps(state)) == state
+
+
+def test_fused_optimizer_updates_are_seen_by_the_weight_cache(tmp_path: Path) -> None:
+    """AdamW(fused=True) writes the weights without bumping their version counters: the
+    guard must not check the next step against the old weights' encodings."""
+
+    class Fused(LitGPT):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=self.lr, fused=True)
+
+    callback = sdc_guard.SDCGuard(metrics_port=None)
+    fit(Fused(), callback, tmp_path, steps=3)
+    assert [(r.verified, r.flagged) for r in callback.reports] == [(21, 0)] * 3
 
 
 def test_transient_fault_is_recomputed_and_weights_match_the_clean_run(tmp_path: Path) -> None:
@@ -82,13 +192,21 @@ def test_transient_fault_is_recomputed_and_weights_match_the_clean_run(tmp_path:
 def test_sticky_fault_rolls_back_then_escalates_to_exit(tmp_path: Path) -> None:
     module = LitGPT()
     callback = sdc_guard.SDCGuard(metrics_port=None, snapshot_every=2, policy=Policy(window=10))
+    losses = {}
+
+    class Losses(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses[trainer.global_step - 1] = outputs["loss"].item()
+
     with pytest.raises(sdc_guard.SDCExit) as info:
-        fit(module, callback, tmp_path, steps=10, faults=(GemmFault(site="model.head", step=5, sticky=True),))
+        fit(module, callback, tmp_path, steps=10, callbacks=[Losses()],
+            faults=(GemmFault(site="model.head", step=5, sticky=True),))
     assert info.value.code == sdc_guard.EXIT_PERSISTENT
     hit = [o for o in callback.guard.outcomes if o.flagged_ranks]
     assert [(o.step, o.classification, o.action) for o in hit] == [
         (5, "persistent", "rollback"), (6, "persistent", "exit")]
     assert hit[0].rolled_back_to == 4
+    assert math.isfinite(losses[5]) and losses[5] == losses[4]  # the rolled-back step: the last good loss
 
 
 def test_resume_from_checkpoint_continues_counters_and_sampler(tmp_path: Path) -> None:
@@ -99,7 +217,7 @@ def test_resume_from_checkpoint_continues_counters_and_sampler(tmp_path: Path) -
     path = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"
     assert path.exists()
     state = torch.load(path, weights_only=False)["callbacks"]
-    assert any(v.get("step") == 4 for v in state.values() if isinstance(v, dict))
+    assert state["SDCGuard"]["step"] == 4
     resumed_module = LitGPT()
     resumed = sdc_guard.SDCGuard(metrics_port=None, sampler=EveryN(3))
     fit(resumed_module, resumed, tmp_path, steps=8, ckpt_path=str(path))
@@ -137,7 +255,7 @@ def test_bf16_mixed_precision_and_validation_are_verified(tmp_path: Path) -> Non
     kinds = {k for r in callback.guard.reports for k in r.by_kind}
     assert ("addmm", "forward", "bfloat16") in kinds and ("mm", "backward", "bfloat16") in kinds
     assert all(r.flagged == 0 for r in callback.guard.reports)
-    val = callback._val_guard
+    val = callback.val_guard
     assert val is not None and len(val.reports) >= 4 and all(r.verified > 0 and r.flagged == 0 for r in val.reports)
 
 

@@ -251,6 +251,20 @@ def test_distributed_lockstep(tmp_path: Path, world_size: int, scenario: str) ->
                 for o in flagged] == [(3, [world_size - 1], "persistent", "rollback", 2)]
 
 
+def test_distributed_checkpoints_are_written_by_rank_zero_and_restored_everywhere(tmp_path: Path) -> None:
+    import ddp_worker
+
+    mp.spawn(ddp_worker.run, args=(2, _free_port(), "checkpoints", str(tmp_path)), nprocs=2, join=True)
+    assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["sdc_guard-step2.pt", "sdc_guard-step4.pt"]
+    assert [p.name for p in (tmp_path / "own0").iterdir()] == ["sdc_guard-step9.pt"]
+    assert not (tmp_path / "own1").exists() or not list((tmp_path / "own1").iterdir())  # rank 1 wrote nothing
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    saved = sdc_guard.load_checkpoint(tmp_path / "shared" / "sdc_guard-step4.pt")["model"]
+    assert [r["step"] for r in results] == [4, 4]
+    for r in results:
+        assert all(torch.equal(p, q) for p, q in zip(r["params"], saved.values()))
+
+
 def test_sticky_fault_without_filters_hits_2d_and_batched_gemms() -> None:
     model = make_model()
     with sdc_guard.drill(model, GemmFault(sticky=True), seed=1) as faults:
