@@ -40,6 +40,17 @@ def correctly_rounded(a: Tensor, b: Tensor, dtype: torch.dtype | None = None) ->
     return (a.double() @ b.double()).to(dtype or a.dtype)
 
 
+def verify_on(backend: str, a: Tensor, b: Tensor, c: Tensor, **kwargs: Any) -> "sdc_guard.Verdict":
+    """``verify_matmul`` by ``backend``, with the operands (and a ``bias``) moved to the
+    device that backend runs on: the Triton kernel on CUDA, the NPU operator on the NPU,
+    the rest on CPU. So a test parametrized over ``backends.available()`` also checks the
+    GPU kernel on a machine that has one."""
+    device = {"triton": "cuda", "npu": "npu"}.get(backend, "cpu")
+    if kwargs.get("bias") is not None:
+        kwargs["bias"] = kwargs["bias"].to(device)
+    return sdc_guard.verify_matmul(a.to(device), b.to(device), c.to(device), backend=backend, **kwargs)
+
+
 def causal_attention_t(heads: int, t: int, *, score_scale: float = 0.5,
                        generator: torch.Generator | None = None) -> Tensor:
     """The transposed causal attention matrix ``P^T`` (fp32 ``[heads, t, t]``), as the
@@ -194,6 +205,11 @@ class RunRecord:
                                         f"D/T {d.ratio:.3g}")
         if outcome.classification is not None or outcome.action is not None or not outcome.stepped:
             self.responded.append((r.step, outcome.classification, outcome.action))
+
+    def loss_drop(self, window: int = 10) -> float:
+        """Mean loss of the first ``window`` steps minus that of the last: did it train?"""
+        first, last = self.losses[:window], self.losses[-window:]
+        return sum(first) / len(first) - sum(last) / len(last)
 
     @property
     def total_misses(self) -> int | None:

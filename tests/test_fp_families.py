@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
-from fp_models import GemmRecorder, causal_attention_t, softmax_grad_rows  # noqa: E402
+from fp_models import GemmRecorder, causal_attention_t, softmax_grad_rows, verify_on  # noqa: E402
 from sdc_guard.toy_gpt import GPT, CharData, GPTConfig, make_corpus  # noqa: E402
 
 BACKENDS = sdc_guard.backends.available()
@@ -38,7 +38,7 @@ def not_ok(cases: list[tuple[str, torch.Tensor, torch.Tensor]], backend: str) ->
     for label, a, b in cases:
         c = product(a, b)
         assert torch.isfinite(c).all(), f"{label}: the family left {a.dtype}'s range"
-        v = sdc_guard.verify_matmul(a, b, c, backend=backend)
+        v = verify_on(backend, a, b, c)
         if v.kind != "ok":
             bad.append((label, v.kind, float(f"{v.ratio:.3g}")))
     return bad
@@ -182,7 +182,7 @@ def test_operands_captured_from_a_real_run(precision: str, backend: str) -> None
     assert {g.a.dtype for g in gemms} == {expected}
     bad = []
     for i, g in enumerate(gemms):
-        v = sdc_guard.verify_matmul(g.a, g.b, g.out, bias=g.bias, alpha=g.alpha, beta=g.beta, backend=backend)
+        v = verify_on(backend, g.a, g.b, g.out, bias=g.bias, alpha=g.alpha, beta=g.beta)
         if v.kind not in ("ok", "overflow", "unverifiable") or (v.kind != "ok" and torch.isfinite(g.out).all()):
             bad.append((f"step {steps.start + i // per_step}, GEMM {i % per_step} ({g.op} {tuple(g.a.shape)} @ "
                         f"{tuple(g.b.shape)})", v.kind, float(f"{v.ratio:.3g}")))

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
-from fp_models import causal_attention_t, correctly_rounded, softmax_grad_rows  # noqa: E402
+from fp_models import causal_attention_t, correctly_rounded, softmax_grad_rows, verify_on  # noqa: E402
 from sdc_guard.precision import SEGMENT  # noqa: E402
 
 BACKENDS = sdc_guard.backends.available()
@@ -53,14 +53,14 @@ def test_power_of_two_scaling_of_a_and_c_leaves_the_verdict_unchanged(dtype: tor
     a = torch.randn(64, 256, generator=gen).to(dtype)
     b = torch.randn(256, 2 * SEGMENT, generator=gen).to(dtype)
     c = correctly_rounded(a, b)
-    base = sdc_guard.verify_matmul(a, b, c, backend=backend)
+    base = verify_on(backend, a, b, c)
     assert base.kind == "ok"
     scaled = {}
     for k in (-100, -60, -20, 20, 60, 100):
         scale = 2.0 ** k
         a_k, c_k = a * scale, c * scale
         assert torch.equal(a_k / scale, a) and torch.equal(c_k / scale, c)  # the scaling is exact
-        scaled[k] = sdc_guard.verify_matmul(a_k, b, c_k, backend=backend)
+        scaled[k] = verify_on(backend, a_k, b, c_k)
     kinds = {k: (v.kind, float(f"{v.ratio:.3g}")) for k, v in scaled.items()}
     assert all(kind == "ok" for kind, _ in kinds.values()), (
         f"2^k -> (kind, D/T) of A and C scaled by 2^k (unscaled: ok, {base.ratio:.3g}): {kinds}")
@@ -80,7 +80,7 @@ def test_tiny_a_times_normal_b_is_ok(dtype: torch.dtype, backend: str) -> None:
         gen = torch.Generator().manual_seed(trial)
         a = (torch.randn(64, 256, generator=gen) * 1e-25).to(dtype)
         b = torch.randn(256, SEGMENT, generator=gen).to(dtype)
-        v = sdc_guard.verify_matmul(a, b, correctly_rounded(a, b), backend=backend)
+        v = verify_on(backend, a, b, correctly_rounded(a, b))
         kinds.append((v.kind, round(v.ratio, 3)))
     assert all(kind == "ok" for kind, _ in kinds), f"(kind, D/T) per trial: {kinds}"
 
@@ -100,7 +100,7 @@ def test_corruption_in_a_huge_product_is_detected_not_unverifiable(dtype: torch.
         assert torch.isfinite(c).all()
         m, n = trial % 64, (37 * trial) % (2 * SEGMENT)
         c[m, n] += 100 * c[m].abs().max()
-        v = sdc_guard.verify_matmul(a, b, c, backend=backend)
+        v = verify_on(backend, a, b, c)
         expected = torch.zeros_like(v.flags)
         expected[m, n // SEGMENT] = True
         if not (v.kind == "sdc" and torch.equal(v.flags, expected)):
@@ -128,7 +128,7 @@ def test_transposed_causal_attention_meeting_the_largest_rows_of_b_is_ok(dtype: 
         d_out = torch.randn(4, 64, 64, generator=gen)
         d_out[:, -4:] = (torch.rand(4, 4, 1, generator=gen) + 1) * 30
         a, b = p_t.to(dtype), d_out.to(dtype)
-        v = sdc_guard.verify_matmul(a, b, correctly_rounded(a, b), backend=backend)
+        v = verify_on(backend, a, b, correctly_rounded(a, b))
         if v.kind != "ok":
             flagged.append((trial, v.kind, round(v.ratio, 3)))
         screen.append(screened(v))
@@ -155,7 +155,7 @@ def test_softmax_gradient_rows_times_column_shifted_b_is_ok(backend: str) -> Non
             a = softmax_grad_rows(v_size, n_tokens, generator=gen).to(torch.bfloat16)
             b = (torch.randn(n_tokens, hidden, generator=gen)
                  + torch.randn(hidden, generator=gen) * shift).to(torch.bfloat16)
-            v = sdc_guard.verify_matmul(a, b, a @ b, backend=backend)
+            v = verify_on(backend, a, b, a @ b)
             count += v.kind != "ok"
             screen.append(screened(v))
         if count:
