@@ -22,6 +22,8 @@ import sdc_guard  # noqa: E402
 import fp_models as fm  # noqa: E402
 from sdc_guard.toy_gpt import GPT, CharData, GPTConfig, make_corpus  # noqa: E402
 
+pytestmark = pytest.mark.slow  # `pytest -m "not slow"` skips it: see CONTRIBUTING.md
+
 _DATA: list[CharData] = []
 
 
