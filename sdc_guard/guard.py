@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from . import backends
 from .backends import Backend, GemmRequest
 from .cache import WeightCache
-from .intercept import Gemm, GemmInterceptor, SiteTracker, current_phase, round_trip_seconds
+from .intercept import Gemm, GemmInterceptor, SiteTracker, current_phase, module_hook_seconds, round_trip_seconds
 from .precision import SUPPORTED_DTYPES, check_e_max, check_screen, resolve_screen
 from .ledger import Pending, StepLedger
 from .report import KindKey, StepReport
@@ -136,6 +136,7 @@ class Guard:
         self._backend_choice: dict[tuple, Backend] = {}
         self._e_max_choice: dict[tuple, tuple[float, float]] = {}
         self._ledger = StepLedger()
+        self._carry = 0.0  #: guard seconds spent while no step was open, for the next report
 
     # --- step lifecycle ------------------------------------------------------------------
 
@@ -159,7 +160,9 @@ class Guard:
         """
         if self._step_open:
             raise RuntimeError("begin_step(): a step is already open; call end_step() first")
-        self._ledger = StepLedger()
+        started = time.perf_counter()
+        self._ledger = StepLedger(carried_seconds=self._carry)
+        self._carry = 0.0
         if rerun:
             last = self.last_report
             if last is None:
@@ -180,6 +183,16 @@ class Guard:
         self._watched_last = self._watching
         self._step_open = True
         self._sync_mode()
+        self._ledger.hook_seconds += time.perf_counter() - started
+
+    def charge(self, seconds: float) -> None:
+        """Count ``seconds`` of guard work done outside its hooks (the responder's
+        bookkeeping, re-encoding updated weights, snapshots) in the guard's cost: to the
+        open step, or, between steps, to the next one's report."""
+        if self._step_open:
+            self._ledger.hook_seconds += seconds
+        else:
+            self._carry += seconds
 
     def end_step(self) -> StepReport:
         """Close the open step: read its flags (one host sync) and report it."""
@@ -195,11 +208,17 @@ class Guard:
         if self._mode is not None:  # the step's ops so far; the mode goes on for the next step
             self._ledger.ops += self._mode.ops
             self._mode.ops = 0
+        self._ledger.module_calls += self._sites.calls
+        self._sites.calls = 0
+        round_trip = round_trip_seconds() if self._ledger.ops else 0.0
+        module_hook = module_hook_seconds() if self._ledger.module_calls else 0.0
         if not keep_empty and self._watching and self._ledger.seen == 0 and not self._ledger.unverified:
-            return None  # a block that ran no GEMM (an unwatched step is still a step)
+            # a block that ran no GEMM (an unwatched step is still a step): what the guard
+            # spent in it goes to the next report
+            self._carry += self._ledger.guard_seconds(round_trip, module_hook)
+            return None
         report = self._ledger.report(self.step_index, self._attempt, self.rank, watched=self._watching,
-                                     stats=self.screen_stats,
-                                     round_trip=round_trip_seconds() if self._ledger.ops else 0.0)
+                                     stats=self.screen_stats, round_trip=round_trip, module_hook=module_hook)
         self.reports.append(report)
         self._publish("observe_report", report)
         if report.attempt == 0:
@@ -349,15 +368,16 @@ class Guard:
         optimizer step wrote them. After an unwatched step nothing is re-encoded: the next
         watched step starts from fresh encodings anyway (``begin_step``), so the work would
         be thrown away, and unwatched steps are meant to cost nothing."""
+        started = time.perf_counter()
         if params is not None:
             self.cache.invalidate(p.untyped_storage().data_ptr() for p in params)
-        if not self._watching:
-            return
-        if torch._C._len_torch_dispatch_stack() == 0:
-            self.cache.refresh()
-        else:
-            with _disable_current_modes():  # the encoding's own ops are not the model's
+        if self._watching:
+            if torch._C._len_torch_dispatch_stack() == 0:
                 self.cache.refresh()
+            else:
+                with _disable_current_modes():  # the encoding's own ops are not the model's
+                    self.cache.refresh()
+        self.charge(time.perf_counter() - started)  # a cost of the guard, often between steps
 
     def on_gemm(self, gemm: Gemm) -> None:
         """Called by the dispatch mode for every GEMM: sample, verify, keep flags on device."""

@@ -121,7 +121,7 @@ def summarize(req: object, check: AbftCheck, cached: bool = False) -> tuple[Tens
 class StepLedger:
     """Everything ``Guard`` learns during one step (or one re-execution of it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, carried_seconds: float = 0.0) -> None:
         self.seen = 0
         self.pending: list[Pending] = []
         self.unverified: dict[str, int] = {}
@@ -133,6 +133,10 @@ class StepLedger:
         self.started = time.perf_counter()
         self.ops = 0  #: aten ops the dispatch mode intercepted
         self.hook_seconds = 0.0  #: host time in the guard's per-op hooks (verification on CPU included)
+        self.module_calls = 0  #: module calls the site tracker's hooks ran for
+        #: guard work done between the previous report and this step's start (re-encoding
+        #: the updated weights, snapshots, the previous outcome's bookkeeping): counted here
+        self.carried_seconds = carried_seconds
 
     def see(self, kind: KindKey) -> int:
         """Count a GEMM; returns its index among the step's GEMMs."""
@@ -156,24 +160,27 @@ class StepLedger:
         return StepCosts(report.step, report.step_seconds, report.verify_seconds,
                          dict(self.site_seconds), dict(self.site_calls), report.guard_seconds)
 
-    def guard_seconds(self, round_trip: float) -> float:
+    def guard_seconds(self, round_trip: float, module_hook: float = 0.0) -> float:
         """Everything the guard added to the step (call after synchronising): host time in
-        its hooks (site tracking, sampling, bookkeeping, and on CPU verification), the
-        dispatch mode's round trip for every op intercepted (``round_trip`` seconds each,
-        measured once per process by ``intercept.round_trip_seconds``), and verification
-        time on an accelerator. An estimate where the mode is concerned: what a mode costs
-        the ops between its round trips (cache effects) is not in it."""
-        return self.hook_seconds + self.ops * round_trip + (self.clock.total() - self.clock.seconds)
+        its hooks (sampling, bookkeeping, and on CPU verification) and around the step
+        (``carried_seconds``), the dispatch mode's round trip for every op intercepted
+        (``round_trip`` seconds each, measured once per process by
+        ``intercept.round_trip_seconds``), the site tracker's module hooks
+        (``module_hook`` per module call, ``intercept.module_hook_seconds``), and
+        verification time on an accelerator. An estimate where the mode and the hooks are
+        concerned: what they cost the ops between them (cache effects) is not in it."""
+        return (self.hook_seconds + self.carried_seconds + self.ops * round_trip + self.module_calls * module_hook
+                + (self.clock.total() - self.clock.seconds))
 
     def report(self, step: int, attempt: int, rank: int, *, watched: bool = True,
-               stats: ScreenStats | None = None, round_trip: float = 0.0) -> StepReport:
+               stats: ScreenStats | None = None, round_trip: float = 0.0, module_hook: float = 0.0) -> StepReport:
         """Read the flags (the one host synchronisation of the step) into a report; with
         ``stats``, record every verified GEMM's worst D/T and flag in it."""
         summaries = read_summaries([p.summary for p in self.pending])  # the one host sync
         if stats is not None:
             for p, s in zip(self.pending, summaries):
                 stats.observe(p.site, s[1], s[0] > 0 or s[4] > 0)
-        step_seconds = time.perf_counter() - self.started
+        step_seconds = time.perf_counter() - self.started + self.carried_seconds
         verify_seconds = self.clock.total()
         detections = [
             detection(step, p, s[1], rank, "gemm" if s[5] > 0 else "weight")
@@ -185,7 +192,7 @@ class StepLedger:
                 self.by_kind[p.kind].flagged += 1
         ratios = [s[1] for s in summaries if s[1] == s[1]]
         base = max(step_seconds - verify_seconds, 1e-12)
-        guard_seconds = min(self.guard_seconds(round_trip), step_seconds)
+        guard_seconds = min(self.guard_seconds(round_trip, module_hook), step_seconds)
         return StepReport(
             step=step, seen=self.seen, verified=len(self.pending), flagged=len(detections),
             detections=detections, unverified_ops=dict(self.unverified),

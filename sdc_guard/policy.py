@@ -51,6 +51,7 @@ import logging
 import math
 import os
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -274,8 +275,10 @@ class Responder:
         (the Hugging Face Trainer runs them before it calls the optimizer); ``closure`` is
         called only to re-execute, re-runs the whole step and restores the RNG state and
         gradients it starts from itself, so every GEMM of the step can be re-run."""
+        started = time.perf_counter()
         rng = _Rng.capture()
         grads_before = None if replay else _grads(self._params)
+        self.guard.charge(time.perf_counter() - started)
         closure_start = 0 if replay else self.guard.gemms_seen  # GEMMs before this point cannot be re-run
         if not replay:
             loss = closure() if closure is not None else None
@@ -292,8 +295,10 @@ class Responder:
             self.guard.outcomes.append(outcome)
             self.guard._publish("observe_outcome", outcome)
         self.guard.refresh_weights()  # encode the updated weights now, while known fresh
+        started = time.perf_counter()
         if outcome.stepped or outcome.action == "skip":
             self.snapshots.after_step(report.step)  # never raises: a failing disk warns once
+        self.guard.charge(time.perf_counter() - started)  # no step is open: the next report's
         self.guard.begin_step()
         return outcome
 

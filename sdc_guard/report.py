@@ -46,10 +46,14 @@ class StepReport:
     """What one step saw.
 
     ``overhead`` is what the guard cost the step, everything it added (interception,
-    bookkeeping, verification: ``guard_seconds``) over the step time without it;
-    ``verify_overhead`` counts verification alone. ``guard_seconds`` is partly estimated:
-    the dispatch mode's round trip is charged per intercepted op at a rate measured once
-    per process (``sdc_guard.ledger.StepLedger.guard_seconds``).
+    site tracking, bookkeeping, verification, and the work since the previous report:
+    re-encoding updated weights, snapshots: ``guard_seconds``) over the step time
+    without it; ``verify_overhead`` counts verification alone. ``guard_seconds`` is
+    partly estimated: the dispatch mode's round trip per intercepted op and the site
+    hooks' cost per module call are charged at rates measured once per process
+    (``sdc_guard.ledger.StepLedger.guard_seconds``); what the mode and hooks cost the
+    model's own ops between them (cache effects) is not in it, so on small models, where
+    they dominate, the estimate is low (``sdc-guard bench train`` shows both).
     """
 
     step: int

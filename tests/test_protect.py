@@ -1,6 +1,7 @@
 """protect(model): interception, attribution, reports, samplers, weight-side cache."""
 
 import contextlib
+import time
 import sys
 from pathlib import Path
 
@@ -104,6 +105,38 @@ def test_mlp_counts_gemms_per_phase_and_flags_none() -> None:
     # the whole cost: verification, the hooks' bookkeeping, and a round trip per intercepted op
     assert r.intercepted_ops > r.seen and r.step_seconds > r.guard_seconds > r.verify_seconds
     assert r.overhead == pytest.approx(r.guard_seconds / (r.step_seconds - r.guard_seconds))
+
+
+def test_the_work_between_steps_is_in_the_next_report() -> None:
+    """After an optimizer step the guard re-encodes the updated weights, outside any open
+    step (and, with one ``protect()`` block per step, outside any block). That work is
+    the guard's cost and must appear in the next report's ``guard_seconds``: here one
+    4096x2048 weight and a one-row input, so the re-encoding (timed alone first) dwarfs
+    the step's own verification."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4096, 2048)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(1, 4096)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    encode = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        sdc_guard.backends.get("torch").encode(model.weight.detach().t())
+        encode.append(time.perf_counter() - t0)
+    reports = []
+    for _ in range(3):  # one block per step, as a loop that wraps only its step would
+        with sdc_guard.protect(model) as guard:
+            reports.append(guard.optimizer_step(opt, closure).report)
+    later = reports[1:]  # each carries the re-encoding after the step before it
+    assert all(r.guard_seconds > 0.3 * min(encode) for r in later), (
+        [r.guard_seconds for r in later], min(encode), [r.verify_seconds for r in later])
+    assert all(r.step_seconds > r.guard_seconds for r in later)
 
 
 def test_transformer_trains_clean_then_catches_a_flip_with_site_and_phase() -> None:
