@@ -253,7 +253,8 @@ class Budget:
     the credit covers verifying every known site (at their measured costs), the next step
     is watched and verifies them all, and is charged what it really cost over an unwatched
     step (interception included, never less than its verification time). Unwatched steps
-    cost nothing. With a full sweep costing ``F`` of a step, every site is verified about
+    run no mode; the one after a sweep carries the guard's re-encoding of the updated
+    weights (its ``guard_seconds``), which is charged and kept out of the base. With a full sweep costing ``F`` of a step, every site is verified about
     every ``F / max_overhead`` steps, and the long-run overhead is the budget.
 
     Costs are robust to a noisy machine: each site's *relative* cost is the minimum of its
@@ -346,14 +347,17 @@ class Budget:
             return
         assert self._base_seconds is not None
         if not watched:
-            seconds = max(costs.step_seconds, 1e-9)
+            # an unwatched step runs no mode and verifies nothing, but may carry the guard's
+            # work after the sweep before it (re-encoding the updated weights): that is
+            # charged, and kept out of the base
+            seconds = max(costs.step_seconds - costs.guard_seconds, 1e-9)
             self._base_seconds = self._ema(self._base_seconds if self._base_measured else None, seconds)
             self._base_measured = True
         else:
             # a watched step less what the guard added bounds the unguarded step from above: a
             # base learned in a slow spell comes down even if every step is watched
             self._base_seconds = min(self._base_seconds, max(costs.step_seconds - added, 1e-9))
-        charge = max(costs.step_seconds - self._base_seconds, added) if watched else 0.0
+        charge = max(costs.step_seconds - self._base_seconds, added) if watched else costs.guard_seconds
         self._credit -= charge
         self._charged_total += charge
         self._base_total += self._base_seconds

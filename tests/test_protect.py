@@ -548,6 +548,36 @@ def test_budget_charges_interception_and_recovers_from_a_slow_warm_up() -> None:
     assert sampler.coverage(window=8) == 1.0
 
 
+def test_budget_charges_the_re_encoding_carried_into_the_step_after_a_sweep() -> None:
+    """After a sweep the guard re-encodes the updated weights; that work lands in the
+    next (unwatched) step's report as ``guard_seconds``. Budget must charge it and keep it
+    out of its estimate of the unguarded step, so that the real overhead, re-encoding
+    included, stays at the budget (exact costs, no clock)."""
+    from sdc_guard.sampling import StepCosts
+
+    site = ("fc", "forward", "mm")
+    base, verify, intercept, refresh = 0.100, 0.050, 0.020, 0.030
+    sampler = Budget(0.1, warmup=1)
+    sampler.begin_step(0)
+    sampler.end_step(StepCosts(0, base + intercept + verify, verify, {site: verify}, {site: 1},
+                               intercept + verify))
+    extra, previous_watched, steps = 0.0, True, 200
+    for step in range(1, steps + 1):
+        sampler.begin_step(step)
+        carried = refresh if previous_watched else 0.0
+        if sampler.watches_step():
+            cost = intercept + verify + carried
+            sampler.end_step(StepCosts(step, base + cost, verify, {site: verify}, {site: 1}, cost))
+        else:
+            cost = carried
+            sampler.end_step(StepCosts(step, base + cost, 0.0, {}, {}, cost))
+        previous_watched = sampler.watches_step()
+        extra += cost
+    real = extra / (steps * base)
+    assert abs(real - 0.1) < 0.02, f"real overhead {real:.3f} against a 10 % budget"
+    assert abs(sampler.achieved_overhead - real) < 0.01
+
+
 def test_budget_window_forces_a_sweep_when_a_site_would_go_stale() -> None:
     """``window`` makes coverage a promise: a sweep that costs 70 % of a step takes 14
     steps of a 5 % budget to earn; with ``window=5`` a sweep comes every 5 steps anyway
