@@ -33,7 +33,7 @@ from .precision import SUPPORTED_DTYPES, check_e_max, check_screen, resolve_scre
 from .ledger import Pending, StepLedger
 from .report import KindKey, StepReport
 from .policy import Policy, Responder, StepOutcome
-from .sampling import Full, Sampler, SiteKey, check_sampler, sampler_watches
+from .sampling import Full, GradientScreen, Sampler, SiteKey, check_sampler, sampler_screens, sampler_watches
 from .snapshot import SnapshotStore
 from .stats import ScreenStats
 
@@ -136,6 +136,7 @@ class Guard:
         self._backend_choice: dict[tuple, Backend] = {}
         self._e_max_choice: dict[tuple, tuple[float, float]] = {}
         self._ledger = StepLedger()
+        self._gradient_screen: GradientScreen | None = None  #: the open step's, for its report
 
     # --- step lifecycle ------------------------------------------------------------------
 
@@ -160,6 +161,7 @@ class Guard:
         if self._step_open:
             raise RuntimeError("begin_step(): a step is already open; call end_step() first")
         self._ledger = StepLedger()
+        self._gradient_screen = None
         if rerun:
             last = self.last_report
             if last is None:
@@ -172,7 +174,9 @@ class Guard:
         self._watching = rerun or sampler_watches(self.sampler)
         self._optimizers.reset()
         if self._watching:
-            if not rerun:
+            if not rerun or not self._watched_last:
+                # a re-execution of an unwatched step (a tripped gradient screen) starts
+                # cold too: the encodings are from the last watched step, maybe long ago
                 self.cache.set_parameters(self.model.parameters())
                 if not self._watched_last:  # writes in unwatched steps went unobserved
                     self.cache.invalidate()
@@ -200,6 +204,12 @@ class Guard:
         report = self._ledger.report(self.step_index, self._attempt, self.rank, watched=self._watching,
                                      stats=self.screen_stats,
                                      round_trip=round_trip_seconds() if self._ledger.ops else 0.0)
+        screened = self._gradient_screen
+        if screened is not None and report.attempt == 0:
+            report.gradient_screened = True
+            report.gradient_screen_tripped = screened.tripped
+            report.gradient_ratio = screened.worst_ratio
+            report.nonfinite_grads = screened.nonfinite
         self.reports.append(report)
         self._publish("observe_report", report)
         if report.attempt == 0:
@@ -251,6 +261,33 @@ class Guard:
             self._responder = Responder(self, optimizer, self.policy, self.snapshots, step_fn)
             self.snapshots = self._responder.snapshots
         return self._responder.run(closure, replay=replay, loss=loss)
+
+    @property
+    def screens_gradients(self) -> bool:
+        """Whether the sampler screens gradients (``sampling.Screened``): then
+        ``optimizer_step`` screens each step and re-executes, verified, a tripped one."""
+        return sampler_screens(self.sampler)
+
+    def screen_gradients(self, params: list[Tensor]) -> GradientScreen | None:
+        """Screen the gradients of ``params`` for the open step (``None`` if the sampler
+        does not screen); the result goes into the step's report. Called by
+        ``optimizer_step`` between the backward and the optimizer step."""
+        if not self.screens_gradients:
+            return None
+        if not self._step_open:
+            raise RuntimeError("screen_gradients(): no step is open (call it before the step closes)")
+        grads = [p.grad for p in params if p.grad is not None]
+        started = time.perf_counter()
+        screened = self.sampler.screen_gradients(grads)  # type: ignore[attr-defined]
+        self._ledger.hook_seconds += time.perf_counter() - started
+        self._gradient_screen = screened
+        return screened
+
+    def resolve_screen(self, verdict: str, params: list[Tensor] | None = None) -> None:
+        """Tell the screening sampler how its trip was resolved (``Screened.resolve_screen``)."""
+        if self.screens_gradients:
+            grads = None if params is None else [p.grad for p in params if p.grad is not None]
+            self.sampler.resolve_screen(verdict, grads)  # type: ignore[attr-defined]
 
     @property
     def step_open(self) -> bool:
