@@ -137,6 +137,7 @@ class Guard:
         self._e_max_choice: dict[tuple, tuple[float, float]] = {}
         self._ledger = StepLedger()
         self._gradient_screen: GradientScreen | None = None  #: the open step's, for its report
+        self._provisional = False  #: the open step was opened in advance (``begin_step``)
 
     # --- step lifecycle ------------------------------------------------------------------
 
@@ -150,8 +151,12 @@ class Guard:
         """The report of the last closed step."""
         return self.reports[-1] if self.reports else None
 
-    def begin_step(self, *, rerun: bool = False) -> None:
+    def begin_step(self, *, rerun: bool = False, provisional: bool = False) -> None:
         """Open the next step, or (``rerun``) a re-execution of the step just closed.
+
+        ``provisional``: opened in advance by ``optimizer_step`` for whatever comes next;
+        if the ``protect()`` block exits with it unwatched (nothing to tell whether
+        anything ran in it), it is dropped instead of being reported as a step.
 
         A re-execution keeps the step number, counts as the next ``attempt`` and verifies
         every GEMM whatever the sampler says: triage must see what the first run saw. A
@@ -162,6 +167,7 @@ class Guard:
             raise RuntimeError("begin_step(): a step is already open; call end_step() first")
         self._ledger = StepLedger()
         self._gradient_screen = None
+        self._provisional = provisional
         if rerun:
             last = self.last_report
             if last is None:
@@ -201,6 +207,8 @@ class Guard:
             self._mode.ops = 0
         if not keep_empty and self._watching and self._ledger.seen == 0 and not self._ledger.unverified:
             return None  # a block that ran no GEMM (an unwatched step is still a step)
+        if not keep_empty and self._provisional and not self._watching:
+            return None  # the step optimizer_step opened after the block's last one
         report = self._ledger.report(self.step_index, self._attempt, self.rank, watched=self._watching,
                                      stats=self.screen_stats,
                                      round_trip=round_trip_seconds() if self._ledger.ops else 0.0)
@@ -209,6 +217,7 @@ class Guard:
             report.gradient_screened = True
             report.gradient_screen_tripped = screened.tripped
             report.gradient_ratio = screened.worst_ratio
+            report.gradient_total_ratio = screened.total_ratio
             report.nonfinite_grads = screened.nonfinite
         self.reports.append(report)
         self._publish("observe_report", report)

@@ -51,7 +51,8 @@ Choices, and why:
   is real cost. Long-run overhead is ``rate(guard) / (rate(step) - rate(guard))`` (the
   guard's whole cost: interception, bookkeeping, verification), which is what the alert
   on the budget uses; the per-step gauges are for dashboards.
-- Detections are counted on the rank(s) whose GEMMs flagged (``outcome.flagged_ranks``);
+- Detections are counted on the rank(s) whose GEMMs flagged (``outcome.flagged_ranks``)
+  or whose gradient screen tripped (``outcome.tripped_ranks``) into a confirmed detection;
   responses on every rank, since every rank takes the response in lockstep.
 - Sites (module paths) are unbounded in general, so they label only the flagged-GEMM
   counter, the first ``max_sites`` distinct flagged sites by name and the rest as

@@ -128,6 +128,13 @@ class StepOutcome:
     screen: str | None = None
 
     @property
+    def detected(self) -> bool:
+        """Whether the step was a detection: a GEMM flagged on some rank, or a tripped
+        gradient screen whose re-execution found corruption (or that could not be
+        re-executed). A screen miss is not one."""
+        return bool(self.flagged_ranks) or self.classification is not None
+
+    @property
     def detections(self) -> list["Detection"]:
         """The first run's detections, else (a screened step, whose first run verified
         nothing) those of its re-executions."""
@@ -318,7 +325,7 @@ class Responder:
         self.guard.refresh_weights()  # encode the updated weights now, while known fresh
         if outcome.stepped or outcome.action == "skip":
             self.snapshots.after_step(report.step)  # never raises: a failing disk warns once
-        self.guard.begin_step()
+        self.guard.begin_step(provisional=True)
         return outcome
 
     def _respond(self, outcome: StepOutcome, closure: Callable[[], Any] | None, rng: _Rng,

@@ -83,6 +83,7 @@ class StepReport:
     #: it tripped: the step was re-executed with every GEMM verified (see StepOutcome.screen)
     gradient_screen_tripped: bool = False
     gradient_ratio: float = 0.0  #: largest per-parameter gradient norm over its reference
+    gradient_total_ratio: float = 0.0  #: norm of all gradients over the references' norm
     nonfinite_grads: int = 0  #: parameters whose gradient held a NaN or an infinity
 
     @property

@@ -429,6 +429,9 @@ class GradientScreen:
     #: largest per-parameter gradient norm over that parameter's reference (nan when a norm
     #: is not finite; compared with ``factor`` only after the warm-up)
     worst_ratio: float
+    #: the norm of all gradients over that of the references: below ``1 / factor**2``, the
+    #: gradients collapsed (a clipping of an overflowed norm zeroes them all)
+    total_ratio: float
     nonfinite: int  #: parameters whose gradient holds a NaN or an infinity
     parameters: int  #: gradients screened
     warming_up: bool  #: the reference was still being learnt (only non-finite trips)
@@ -454,7 +457,9 @@ class Screened:
     average of that parameter's past norms (weight ``smoothing``). The step trips when a
     norm is not finite or, after ``warmup`` steps that only learn the reference, when
     some norm exceeds ``factor`` times its reference (a spike, as Megatron's
-    ``is_unexpectedly_large``). One host synchronisation per step, none per parameter; no
+    ``is_unexpectedly_large``), or when the norm of all gradients falls under
+    ``1 / factor**2`` of the references' (a collapse: clipping an overflowed total norm
+    zeroes every gradient). One host synchronisation per step, none per parameter; no
     dispatch mode and no GEMM check on the steps the screen passes.
 
     A tripped step is re-executed by the guard with every GEMM verified
@@ -518,6 +523,12 @@ class Screened:
         if self.background is not None:
             self.background.end_step(costs)
 
+    @property
+    def max_overhead(self) -> float | None:
+        """The background's overhead budget (``Budget.max_overhead``), if it has one: what
+        metrics export as the budget (the screen itself costs well under 1 %)."""
+        return getattr(self.background, "max_overhead", None)
+
     # --- the screen ----------------------------------------------------------------------------
 
     @property
@@ -541,22 +552,26 @@ class Screened:
             self._pending = None
         elif self._reference.device != norms.device:  # a reference loaded from a checkpoint
             self._reference = self._reference.to(norms.device)
-        ratio = norms / self._reference.clamp_min(torch.finfo(torch.float32).tiny)
+        tiny = torch.finfo(torch.float32).tiny
+        ratio = norms / self._reference.clamp_min(tiny)
+        total = torch.linalg.vector_norm(norms) / torch.linalg.vector_norm(self._reference).clamp_min(tiny)
         nonfinite = (~torch.isfinite(norms)).sum()
-        worst, bad = torch.stack([ratio.max(), nonfinite.to(ratio.dtype)]).tolist() if len(grads) else (0.0, 0.0)
+        worst, total_ratio, bad = torch.stack([ratio.max(), total, nonfinite.to(ratio.dtype)]).tolist() \
+            if len(grads) else (0.0, 1.0, 0.0)  # the step's one host synchronisation
         warming = self.warming_up
-        tripped = bad > 0 or (not warming and not worst <= self.factor)
+        tripped = bad > 0 or (not warming and not (worst <= self.factor and total_ratio * self.factor ** 2 >= 1))
         if tripped:
             self.trips += 1
             self._pending = norms
         else:
             self._absorb(norms)
-        return GradientScreen(self.step, tripped, worst, int(bad), len(grads), warming)
+        return GradientScreen(self.step, tripped, worst, total_ratio, int(bad), len(grads), warming)
 
     def resolve_screen(self, verdict: str, grads: list[Tensor] | None = None) -> None:
         """Tell the screen how its last trip was resolved: a ``"miss"`` absorbs the
-        tripped step's norms into the reference (the values were legitimate: a lasting
-        change of scale must not trip every step), ``"transient"`` absorbs those of the
+        tripped step's norms into the reference, each capped at ``factor`` times its
+        reference (the values were legitimate: a lasting change of scale must not trip
+        every step, nor a one-off spike the steps after it), ``"transient"`` absorbs those of the
         clean re-execution's ``grads``; anything else leaves the reference as it was."""
         if verdict not in SCREEN_VERDICTS:
             raise ValueError(f"verdict: expected one of {', '.join(SCREEN_VERDICTS)}, got {verdict!r}")
@@ -575,7 +590,10 @@ class Screened:
         if self._learnt == 0:
             self._reference = torch.where(finite, norms, self._reference)
         else:
-            self._reference = torch.where(finite, torch.lerp(self._reference, norms, self.smoothing), self._reference)
+            # a legitimate spike moves the reference by at most factor * smoothing of itself:
+            # a one-off outlier batch must not make the ordinary steps after it look collapsed
+            capped = torch.minimum(norms, self._reference * self.factor)
+            self._reference = torch.where(finite, torch.lerp(self._reference, capped, self.smoothing), self._reference)
         self._learnt += 1
 
     def state_dict(self) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from prometheus_client import CollectorRegistry
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -14,6 +15,7 @@ import sdc_guard  # noqa: E402
 from models import MLP  # noqa: E402
 from respond_helpers import closure_for, make_model, params_of  # noqa: E402
 from sdc_guard import GemmFault  # noqa: E402
+from sdc_guard.metrics import GuardMetrics  # noqa: E402
 from sdc_guard.sampling import Budget, Screened  # noqa: E402
 
 
@@ -100,13 +102,16 @@ def test_legitimately_spiky_clean_step_is_a_screen_miss_and_changes_nothing() ->
     batches = [(torch.randn(16, 16, generator=gen), torch.randn(16, 8, generator=gen)) for _ in range(10)]
     batches[7] = (batches[7][0] * 300.0, batches[7][1])  # an outlier batch: real data, huge gradients
 
+    registry = CollectorRegistry()
+
     def run(guarded: bool) -> tuple[torch.nn.Module, list, Screened]:
         model = MLP()
         model.load_state_dict(base.state_dict())
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
         sampler = Screened(warmup=3)
         outcomes = []
-        with sdc_guard.protect(model, sampler=sampler) if guarded else contextlib.nullcontext() as guard:
+        with sdc_guard.protect(model, sampler=sampler, metrics=GuardMetrics(registry, rank=0)) if guarded else \
+                contextlib.nullcontext() as guard:
             for x, y in batches:
                 def closure() -> torch.Tensor:
                     opt.zero_grad(set_to_none=True)
@@ -129,6 +134,23 @@ def test_legitimately_spiky_clean_step_is_a_screen_miss_and_changes_nothing() ->
     assert [o.screen for i, o in enumerate(outcomes) if i != 7] == [None] * 9
     assert (sampler.trips, sampler.misses) == (1, 1)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters()))
+    value = lambda name, **labels: registry.get_sample_value(name, {"rank": "0", **labels})  # noqa: E731
+    assert value("sdc_guard_gradient_screen_trips_total") == value("sdc_guard_gradient_screen_misses_total") == 1
+    assert value("sdc_guard_reexecutions_total") == 1 and value("sdc_guard_flagged_steps_total") == 0
+    assert all(value("sdc_guard_detections_total", classification=c) == 0 for c in sdc_guard.policy.CLASSIFICATIONS)
+    assert value("sdc_guard_screen_misses_total") == 0  # the GEMM screen's own misses: another thing
+
+
+def test_screened_detection_is_exported_as_a_trip_and_a_transient_detection() -> None:
+    registry = CollectorRegistry()
+    fault = GemmFault(site="blocks.0.fc1", phase="forward", step=6, bit=30, element=(3, 5))
+    screened_train(make_model(), 8, faults=(fault,), metrics=GuardMetrics(registry, rank=0))
+    value = lambda name, **labels: registry.get_sample_value(name, {"rank": "0", **labels})  # noqa: E731
+    assert value("sdc_guard_steps_total") == 8 and value("sdc_guard_gradient_screen_trips_total") == 1
+    assert value("sdc_guard_gradient_screen_misses_total") == 0 and value("sdc_guard_reexecutions_total") == 1
+    assert value("sdc_guard_detections_total", classification="transient") == 1
+    assert value("sdc_guard_responses_total", action="recompute") == 1
+    assert value("sdc_guard_gradient_screen_ratio") < 10
 
 
 def test_screen_with_a_budget_beside_it_verifies_the_budget_s_sweeps() -> None:
