@@ -155,7 +155,7 @@ def test_train(tmp_path: Path) -> None:
                    "--budget", "0.05", "--window", "3")
     results = {r["config"]: r for r in report["results"]}
     assert list(results) == ["baseline", "empty dispatch mode", "intercept only", "Full()", "Budget(0.05, window=3)",
-                             "EveryN(2)"]
+                             "EveryN(2)", "Screened()"]
     assert all(r["step_ms_median"] > 0 for r in results.values())
     assert "sites" not in results["empty dispatch mode"]  # no guard: nothing seen, nothing verified
     full = results["Full()"]
@@ -166,7 +166,11 @@ def test_train(tmp_path: Path) -> None:
     assert budget["max_gap_steps"] < 3 and budget["sites"] == full["sites"] > 0  # the window's promise
     assert budget["budget_coverage"] == 1.0
     assert results["EveryN(2)"]["max_gap_steps"] == 1  # verified on every second step
-    assert set(report["targets"]) == {"full_le_20pct", "budget_le_7pct", "budget_every_site_within_20"}
+    screened = results["Screened()"]  # the gradient screen: no GEMM seen, none verified, no trip on clean steps
+    assert (screened["gemms_seen_per_step"], screened["gemms_verified_per_step"], screened["screen_trips"]) == (0, 0, 0)
+    assert 0 < screened["gradient_ratio_max"] < 10
+    assert set(report["targets"]) == {"full_le_20pct", "budget_le_7pct", "budget_every_site_within_20",
+                                      "screened_le_1pct"}
 
 
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
