@@ -119,6 +119,25 @@ def test_detect(tmp_path: Path) -> None:
         assert res["summary"]["false_alarms"] == 0
 
 
+def test_detect_training_reports_what_each_sampler_catches_by_bit_class(tmp_path: Path) -> None:
+    report = bench(tmp_path, "detect", "--training", "--trials", "4")
+    names = ["Full()", "Budget(0.05)", "Screened()", "Screened(Budget(0.05))"]
+    assert report["mode"] == "training" and report["samplers"] == names
+    rows = {r["class"]: r for r in report["results"]}
+    assert list(rows) == ["sign", "exponent (top)", "exponent", "mantissa", "all"]
+    assert all(rows[c]["trials"] == 1 for c in ("sign", "exponent (top)", "exponent", "mantissa"))
+    trials = report["trials"]
+    assert [t["class"] for t in trials] == ["sign", "exponent (top)", "exponent", "mantissa"]
+    top = trials[1]
+    assert top["changed"] and top["caught"]["Full()"]  # a flipped top exponent bit: caught by the check
+    for t in trials:  # the screen beside a Budget sees what the screen alone sees, and the Budget's sweeps
+        assert t["caught"]["Screened(Budget(0.05))"] >= t["caught"]["Screened()"]
+        assert t["harmful"] == (t["update_change"] > 0.01)
+    everything = rows["all"]["samplers"]
+    assert everything["Full()"]["caught"] == sum(t["caught"]["Full()"] for t in trials)
+    assert everything["Full()"]["harmful_let_through"] == sum(t["harmful"] and not t["caught"]["Full()"] for t in trials)
+
+
 def test_calibrate_recommends_margin_over_measured_max(tmp_path: Path) -> None:
     report = bench(tmp_path, "calibrate", "--dtypes", "bf16,fp32", "--shapes", "8x64x300", "--trials", "3",
                    "--margin", "3")
