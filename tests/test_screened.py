@@ -177,3 +177,25 @@ def test_screen_with_a_budget_beside_it_verifies_the_budget_s_sweeps() -> None:
 def test_bad_arguments_name_the_argument(kwargs: dict, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         Screened(**kwargs)
+
+
+def test_distributed_screen_trips_and_re_executes_in_lockstep(tmp_path: Path) -> None:
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    import ddp_worker
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(ddp_worker.run, args=(2, port, "screened", str(tmp_path)), nprocs=2, join=True)
+    params = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*params))
+    summaries = [json.loads((tmp_path / f"rank{r}.json").read_text())["outcomes"] for r in range(2)]
+    assert summaries[0] == summaries[1]  # the same verdict and response on every rank
+    tripped = [(o["step"], o["tripped_ranks"], o["screen"], o["classification"], o["action"], o["reruns"])
+               for o in summaries[0] if o["tripped_ranks"]]
+    assert tripped == [(3, [0, 1], "transient", "transient", "recompute", 1)]  # DDP averaged the fault into both
+    assert all(o["flagged_ranks"] == [] and o["stepped"] for o in summaries[0])
