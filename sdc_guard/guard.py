@@ -213,6 +213,11 @@ class Guard:
                                      stats=self.screen_stats,
                                      round_trip=round_trip_seconds() if self._ledger.ops else 0.0)
         screened = self._gradient_screen
+        if screened is None and report.attempt == 0 and self.screens_gradients:
+            self._warn_once("unscreened", "sdc_guard: the sampler screens gradients, but only "
+                            "guard.optimizer_step(optimizer, closure) runs the screen; steps closed by "
+                            "guard.step() or a protect() block are not screened (only the sampler's "
+                            "background verifies anything)")
         if screened is not None and report.attempt == 0:
             report.gradient_screened = True
             report.gradient_screen_tripped = screened.tripped

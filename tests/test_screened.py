@@ -199,3 +199,12 @@ def test_distributed_screen_trips_and_re_executes_in_lockstep(tmp_path: Path) ->
                for o in summaries[0] if o["tripped_ranks"]]
     assert tripped == [(3, [0, 1], "transient", "transient", "recompute", 1)]  # DDP averaged the fault into both
     assert all(o["flagged_ranks"] == [] and o["stepped"] for o in summaries[0])
+
+
+def test_steps_closed_without_optimizer_step_are_not_screened_and_say_so() -> None:
+    model = MLP()
+    with pytest.warns(RuntimeWarning, match="only guard.optimizer_step.* runs the screen"):
+        with sdc_guard.protect(model, sampler=Screened()) as guard:
+            model(torch.randn(4, 16)).sum().backward()
+    report = guard.last_report
+    assert report is not None and not report.gradient_screened and report.verified == 0
