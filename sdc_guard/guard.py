@@ -292,8 +292,14 @@ class Guard:
             raise RuntimeError("screen_gradients(): no step is open (call it before the step closes)")
         grads = [p.grad for p in params if p.grad is not None]
         started = time.perf_counter()
-        screened = self.sampler.screen_gradients(grads)  # type: ignore[attr-defined]
-        self._ledger.hook_seconds += time.perf_counter() - started
+        try:
+            screened = self.sampler.screen_gradients(grads)  # type: ignore[attr-defined]
+        except Exception as exc:  # a monitoring failure never stops training: the step goes unscreened
+            self._warn_once(f"screen:{type(exc).__name__}", f"sdc_guard: could not screen the gradients "
+                            f"({type(exc).__name__}: {exc}); this step is not screened")
+            return None
+        finally:
+            self._ledger.hook_seconds += time.perf_counter() - started
         self._gradient_screen = screened
         return screened
 
