@@ -138,6 +138,7 @@ class Guard:
         self._ledger = StepLedger()
         self._gradient_screen: GradientScreen | None = None  #: the open step's, for its report
         self._provisional = False  #: the open step was opened in advance (``begin_step``)
+        self._screen_tried = False  #: optimizer_step screened (or tried to) the open step
 
     # --- step lifecycle ------------------------------------------------------------------
 
@@ -167,6 +168,7 @@ class Guard:
             raise RuntimeError("begin_step(): a step is already open; call end_step() first")
         self._ledger = StepLedger()
         self._gradient_screen = None
+        self._screen_tried = False
         self._provisional = provisional
         if rerun:
             last = self.last_report
@@ -213,7 +215,7 @@ class Guard:
                                      stats=self.screen_stats,
                                      round_trip=round_trip_seconds() if self._ledger.ops else 0.0)
         screened = self._gradient_screen
-        if screened is None and report.attempt == 0 and self.screens_gradients:
+        if not self._screen_tried and report.attempt == 0 and self.screens_gradients:
             self._warn_once("unscreened", "sdc_guard: the sampler screens gradients, but only "
                             "guard.optimizer_step(optimizer, closure) runs the screen; steps closed by "
                             "guard.step() or a protect() block are not screened (only the sampler's "
@@ -292,6 +294,7 @@ class Guard:
             raise RuntimeError("screen_gradients(): no step is open (call it before the step closes)")
         grads = [p.grad for p in params if p.grad is not None]
         started = time.perf_counter()
+        self._screen_tried = True
         try:
             screened = self.sampler.screen_gradients(grads)  # type: ignore[attr-defined]
         except Exception as exc:  # a monitoring failure never stops training: the step goes unscreened

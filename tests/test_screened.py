@@ -208,3 +208,20 @@ def test_steps_closed_without_optimizer_step_are_not_screened_and_say_so() -> No
             model(torch.randn(4, 16)).sum().backward()
     report = guard.last_report
     assert report is not None and not report.gradient_screened and report.verified == 0
+
+
+def test_a_screen_that_fails_warns_once_and_training_goes_on() -> None:
+    class Broken(Screened):
+        """A screen whose statistic cannot be computed (a gradient layout it does not know)."""
+
+        def screen_gradients(self, grads):
+            raise RuntimeError("unsupported gradient layout")
+
+    reference = make_model()
+    unguarded_train(reference, 3)
+    model = make_model()
+    with pytest.warns(RuntimeWarning, match="could not screen the gradients .*unsupported gradient layout") as caught:
+        outcomes, _, _ = screened_train(model, 3, sampler=Broken())
+    assert len([w for w in caught if "could not screen" in str(w.message)]) == 1
+    assert all(o.stepped and not o.report.gradient_screened and o.screen is None for o in outcomes)
+    assert all(torch.equal(a, b) for a, b in zip(params_of(model), params_of(reference)))
