@@ -200,9 +200,9 @@ def register(backend: Backend, *, first: bool = False) -> None:
 def unregister(name: str) -> Backend | None:
     """Remove and return the backend called ``name`` (``None`` if there is none)."""
     _chosen.clear()
-    _reasons.pop(name, None)
     for i, backend in enumerate(_registry):
         if backend.name == name:
+            _reasons.pop(backend, None)
             return _registry.pop(i)
     return None
 
@@ -221,16 +221,18 @@ def registered() -> list[str]:
     return [b.name for b in _registry]
 
 
-#: each backend's unavailability reason, probed once per process (``reprobe`` forgets)
-_reasons: dict[str, str | None] = {}
+#: each backend's unavailability reason, probed once per process (``reprobe`` forgets);
+#: keyed by the backend object, not its name: two instances of one class (the Triton
+#: kernel for ``"cuda"`` and for ``"cpu"`` under the interpreter) answer differently
+_reasons: dict[Backend, str | None] = {}
 #: the backend chosen per kind of call (``_kind``), for calls that name none
 _chosen: dict[tuple, Backend] = {}
 
 
 def _reason(backend: Backend) -> str | None:
-    if backend.name not in _reasons:
-        _reasons[backend.name] = backend.unavailable_reason()
-    return _reasons[backend.name]
+    if backend not in _reasons:
+        _reasons[backend] = backend.unavailable_reason()
+    return _reasons[backend]
 
 
 def reprobe() -> None:
@@ -276,7 +278,7 @@ def select(req: GemmRequest, backend: str | None = None) -> Backend:
         return chosen
     kind = _kind(req)
     chosen = _chosen.get(kind)
-    if chosen is not None:
+    if chosen is not None and chosen in _registry:  # the registry may have been replaced
         return chosen
     reasons = []
     for candidate in _registry:

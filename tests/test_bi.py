@@ -232,6 +232,7 @@ def sdc_guard_bi(args: list[str], timeout: float) -> subprocess.CompletedProcess
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_collective_world_sizes_2_and_4(tmp_path):
     path = tmp_path / "collective.json"
     proc = sdc_guard_bi(["--suite", "collective", "--world-sizes", "2", "4", "--m-totals", "8", "--ks", "256",
@@ -250,6 +251,7 @@ def test_collective_world_sizes_2_and_4(tmp_path):
     assert proc.returncode == (1 if report.counts["BI_FAIL"] else 0)
 
 
+@pytest.mark.slow
 def test_collective_exception_on_one_rank_is_error_without_hanging(tmp_path):
     path = tmp_path / "raise.json"
     proc = sdc_guard_bi(["--suite", "collective", "--world-sizes", "2", "--mode", "composition",
@@ -264,6 +266,7 @@ def test_collective_exception_on_one_rank_is_error_without_hanging(tmp_path):
     assert "rank(s) [1] raised" in report.cells[0].variants[0].error  # seen by rank 0, agreed by all
 
 
+@pytest.mark.slow
 def test_collective_hung_rank_is_killed_by_job_timeout(tmp_path):
     path = tmp_path / "hang.json"
     start = time.monotonic()

@@ -197,7 +197,9 @@ def test_one_call_fast_path_answers_as_the_full_path(dtype: torch.dtype) -> None
     full = sdc_guard.verify_matmul(a, b, c, backend="torch")
     assert (fast.ok, fast.kind, fast.rows) == (full.ok, full.kind, full.rows) == (True, "ok", [])
     assert fast.flags.shape == full.flags.shape == (40, 3)
-    assert fast.ratio == pytest.approx(full.ratio, rel=0.05)  # D is rounding residue: backends differ
+    # D of a clean product is rounding residue, and each backend sums in its own order
+    # (fp32: 0.94e-3 against 0.82e-3 on an AVX-512 host): the same T, a residue of the same size
+    assert 0.5 < fast.ratio / full.ratio < 2.0, (fast.ratio, full.ratio)
     assert not bool(sdc_guard.matmul_checksum(a, b, c))
     assert sdc_guard.abft_verify(a, b, c).tolist() == [255] * 15
     bad = c.clone()

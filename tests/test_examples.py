@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # `pytest -m "not slow"` skips it: see CONTRIBUTING.md
+
 ROOT = Path(__file__).parent.parent
 EXAMPLES = ROOT / "examples"
 

@@ -67,7 +67,14 @@ def test_power_of_two_scaling_of_a_and_c_leaves_the_verdict_unchanged(dtype: tor
     assert screen_flags(base) is not None, "Verdict has no screen_flags"
     for k, v in scaled.items():
         assert torch.equal(screen_flags(v), screen_flags(base)), f"2^{k}: the screen's flags moved"
-        assert v.ratio == pytest.approx(base.ratio, rel=1e-3), f"2^{k}: D/T {v.ratio} against {base.ratio}"
+        if k > -100:
+            assert v.ratio == pytest.approx(base.ratio, rel=1e-3), f"2^{k}: D/T {v.ratio} against {base.ratio}"
+        else:
+            # At 2^-100 fp32 products of A's small entries with B's fall below 2^-126, where
+            # an accumulator may flush them: the threshold's flush-to-zero floor
+            # (docs/ALGORITHM.md) deliberately raises T there, so D/T may only fall, a little.
+            assert base.ratio * 0.95 <= v.ratio <= base.ratio * (1 + 1e-3), (
+                f"2^{k}: D/T {v.ratio} against {base.ratio}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

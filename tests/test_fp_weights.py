@@ -112,7 +112,11 @@ def _write(how: str, model: torch.nn.Module, step: int) -> None:
         for p in model.parameters():
             p.data.add_(torch.randn(p.shape, generator=gen) * 1e-2)
     elif how in ("load_state_dict", "load_state_dict_assign"):
-        state = make_model(seed=10 + step).state_dict()
+        # A fresh model's state, every entry moved by seeded noise: its LayerNorms start at
+        # ones and zeros whatever the seed, and a write that leaves a parameter equal
+        # would test nothing for it.
+        state = {k: v + torch.randn(v.shape, generator=gen) * 1e-2
+                 for k, v in make_model(seed=10 + step).state_dict().items()}
         model.load_state_dict(state, assign=how.endswith("assign"))
     else:
         raise ValueError(how)

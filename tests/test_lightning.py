@@ -278,6 +278,7 @@ def test_metrics_endpoint_serves_while_training(tmp_path: Path) -> None:
     assert "sdc_guard_" in seen["body"]
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_fault_on_one_rank(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, str(HERE / "lit_ddp_run.py"), str(tmp_path)], capture_output=True,

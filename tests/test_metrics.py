@@ -401,6 +401,7 @@ class Prometheus:
             self.proc.wait()
 
 
+@pytest.mark.slow
 def test_real_prometheus_scrapes_a_training_run_and_fires_the_sdc_alert(tmp_path: Path) -> None:
     binary = require("prometheus")
     metrics = GuardMetrics(CollectorRegistry(), rank=0)

@@ -42,6 +42,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # `pytest -m "not slow"` skips it: see CONTRIBUTING.md
+
 ROOT = Path(__file__).resolve().parent.parent
 PORTABLE_FLAGS = "-O2 -march=x86-64" if platform.machine().lower() in ("x86_64", "amd64") else "-O2"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -233,6 +233,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size, scenario", [(2, "transient"), (4, "sticky")])
 def test_distributed_lockstep(tmp_path: Path, world_size: int, scenario: str) -> None:
     import ddp_worker

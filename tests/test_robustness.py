@@ -184,6 +184,7 @@ KILL_WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_writers_killed_mid_write_leave_no_torn_checkpoint_and_no_temporaries(tmp_path: Path) -> None:
     """Five writers killed with SIGKILL while writing: every checkpoint on disk is whole
     (its weights all equal its step), each restart removes the dead writer's temporary
