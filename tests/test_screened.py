@@ -179,6 +179,7 @@ def test_bad_arguments_name_the_argument(kwargs: dict, error: type, message: str
         Screened(**kwargs)
 
 
+@pytest.mark.slow  # multi-process: `pytest -m "not slow"` skips it (CONTRIBUTING.md)
 def test_distributed_screen_trips_and_re_executes_in_lockstep(tmp_path: Path) -> None:
     import json
     import socket
