@@ -203,13 +203,13 @@ class GuardedTraining:
         """Count one guarded optimizer step and remember its loss if it was good."""
         self.totals["steps"] += 1
         self.totals["gemms_verified"] += outcome.report.verified + sum(r.verified for r in outcome.reruns)
-        if outcome.flagged_ranks:
+        if outcome.detected:
             self.totals["detections"] += 1
             key = outcome.classification or "unconfirmed"
             self.classifications[key] = self.classifications.get(key, 0) + 1
             if outcome.action:
                 self.responses[outcome.action] = self.responses.get(outcome.action, 0) + 1
-        if (not outcome.flagged_ranks or outcome.action == "recompute") and outcome.loss is not None:
+        if (not outcome.detected or outcome.action == "recompute") and outcome.loss is not None:
             loss = outcome.loss
             self._last_good_loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
 
@@ -219,7 +219,7 @@ class GuardedTraining:
         the corrupted run's, which did reach the model); else (skipped, rolled back) the
         last good step's, so that a handled fault never looks like a diverged run. Before
         any good step there is none to hand back, and the step's own is kept."""
-        if not outcome.flagged_ranks or outcome.action in ("recompute", "log") or self._last_good_loss is None:
+        if not outcome.detected or outcome.action in ("recompute", "log") or self._last_good_loss is None:
             return outcome.loss
         return self._last_good_loss
 
@@ -229,11 +229,11 @@ class GuardedTraining:
         back (a host read of a device tensor, on those steps only)."""
         report = outcome.report
         values = {
-            "sdc/flag": float(bool(outcome.flagged_ranks)),
+            "sdc/flag": float(outcome.detected),
             "sdc/gemms_verified": float(report.verified),
             "sdc/overhead": float(report.overhead),
         }
-        if outcome.flagged_ranks:
+        if outcome.detected:
             loss = self.handed_back_loss(outcome)
             if loss is not None:
                 values["sdc/loss"] = float(loss)
@@ -242,7 +242,7 @@ class GuardedTraining:
     def should_log(self, outcome: StepOutcome, trainer_logs_this_step: bool) -> bool:
         """Whether ``outcome``'s step goes to the loggers: always on a detection, else
         every ``log_every_n_steps`` steps, or with the trainer when that is ``None``."""
-        if outcome.flagged_ranks:
+        if outcome.detected:
             return True
         if self.log_every_n_steps is None:
             return trainer_logs_this_step

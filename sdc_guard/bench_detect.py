@@ -18,6 +18,9 @@ acts on it); confirmed flags on other segments are false alarms (there must be n
 screen (``--screens default,tight``) is measured on the same data, with its miss rate on
 the clean products beside it: the share of segments it suspected that the confirmation
 cleared.
+
+``--training`` measures samplers instead of the check: faults in a training run
+(``sdc_guard.bench_detect_training``).
 """
 
 from __future__ import annotations
@@ -63,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--screens", default="default,tight",
                         type=argtype(lambda t: parse_names(t, SCREENS, "screens")), help="comma list of screens to measure: " + ", ".join(SCREENS) + " (default both)")
     parser.add_argument("--backend", default=None, help="verification backend (default: the dispatcher's choice)")
+    from . import bench_detect_training  # it uses bit_field from here: imported late
+
+    bench_detect_training.add_arguments(parser)
 
 
 def _floats(text: str) -> list[float]:
@@ -264,6 +270,10 @@ def _rate(item: dict[str, Any] | None) -> str:
 
 
 def run(args: argparse.Namespace) -> Outcome:
+    if getattr(args, "training", False):
+        from . import bench_detect_training
+
+        return bench_detect_training.run(args)
     if args.gemms < 1:
         raise ValueError(f"gemms: expected a positive int, got {args.gemms}")
     device = resolve_device(args.device)

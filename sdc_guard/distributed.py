@@ -1,7 +1,8 @@
 """Lockstep across ranks: every rank learns who flagged, and all take the same response.
 
-One small collective per step (``flagged_ranks``), one more only when something was
-flagged (``agree_max`` on the triage outcome). Without ``torch.distributed`` initialised,
+One small collective per step (``flagged_ranks``, or ``step_flags`` with a gradient
+screen), one more only when something was flagged or tripped (``agree_max`` on the triage
+outcome). Without ``torch.distributed`` initialised,
 both are local no-ops, so the same code serves single-process runs.
 
 Why lockstep matters: under DDP the backward pass all-reduces gradients, so a re-run on
@@ -49,6 +50,22 @@ def flagged_ranks(flagged: bool) -> list[int]:
     everyone = [torch.zeros_like(mine) for _ in range(world_size())]
     dist.all_gather(everyone, mine)
     return [r for r, t in enumerate(everyone) if int(t.item())]
+
+
+def step_flags(flagged: bool, tripped: bool) -> tuple[list[int], list[int]]:
+    """The ranks whose step flagged a GEMM and those whose gradient screen tripped,
+    identical on every rank, in the one all-gather ``flagged_ranks`` would take.
+
+    >>> step_flags(False, True)
+    ([], [0])
+    """
+    if not is_distributed():
+        return ([0] if flagged else []), ([0] if tripped else [])
+    mine = torch.tensor([int(flagged), int(tripped)], dtype=torch.int32, device=_device())
+    everyone = [torch.zeros_like(mine) for _ in range(world_size())]
+    dist.all_gather(everyone, mine)
+    pairs = [t.tolist() for t in everyone]
+    return [r for r, p in enumerate(pairs) if p[0]], [r for r, p in enumerate(pairs) if p[1]]
 
 
 def agree_max(value: int) -> int:

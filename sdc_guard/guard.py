@@ -33,7 +33,7 @@ from .precision import SUPPORTED_DTYPES, check_e_max, check_screen, resolve_scre
 from .ledger import Pending, StepLedger
 from .report import KindKey, StepReport
 from .policy import Policy, Responder, StepOutcome
-from .sampling import Full, Sampler, SiteKey, check_sampler, sampler_watches
+from .sampling import Full, GradientScreen, Sampler, SiteKey, check_sampler, sampler_screens, sampler_watches
 from .snapshot import SnapshotStore
 from .stats import ScreenStats
 
@@ -137,6 +137,9 @@ class Guard:
         self._e_max_choice: dict[tuple, tuple[float, float]] = {}
         self._ledger = StepLedger()
         self._carry = 0.0  #: guard seconds spent while no step was open, for the next report
+        self._gradient_screen: GradientScreen | None = None  #: the open step's, for its report
+        self._provisional = False  #: the open step was opened in advance (``begin_step``)
+        self._screen_tried = False  #: optimizer_step screened (or tried to) the open step
 
     # --- step lifecycle ------------------------------------------------------------------
 
@@ -150,8 +153,12 @@ class Guard:
         """The report of the last closed step."""
         return self.reports[-1] if self.reports else None
 
-    def begin_step(self, *, rerun: bool = False) -> None:
+    def begin_step(self, *, rerun: bool = False, provisional: bool = False) -> None:
         """Open the next step, or (``rerun``) a re-execution of the step just closed.
+
+        ``provisional``: opened in advance by ``optimizer_step`` for whatever comes next;
+        if the ``protect()`` block exits with it unwatched (nothing to tell whether
+        anything ran in it), it is dropped instead of being reported as a step.
 
         A re-execution keeps the step number, counts as the next ``attempt`` and verifies
         every GEMM whatever the sampler says: triage must see what the first run saw. A
@@ -163,6 +170,9 @@ class Guard:
         started = time.perf_counter()
         self._ledger = StepLedger(carried_seconds=self._carry)
         self._carry = 0.0
+        self._gradient_screen = None
+        self._screen_tried = False
+        self._provisional = provisional
         if rerun:
             last = self.last_report
             if last is None:
@@ -175,7 +185,9 @@ class Guard:
         self._watching = rerun or sampler_watches(self.sampler)
         self._optimizers.reset()
         if self._watching:
-            if not rerun:
+            if not rerun or not self._watched_last:
+                # a re-execution of an unwatched step (a tripped gradient screen) starts
+                # cold too: the encodings are from the last watched step, maybe long ago
                 self.cache.set_parameters(self.model.parameters())
                 if not self._watched_last:  # writes in unwatched steps went unobserved
                     self.cache.invalidate()
@@ -217,8 +229,24 @@ class Guard:
             # spent in it goes to the next report
             self._carry += self._ledger.guard_seconds(round_trip, module_hook)
             return None
+        if not keep_empty and self._provisional and not self._watching:
+            # the step optimizer_step opened after the block's last one
+            self._carry += self._ledger.guard_seconds(round_trip, module_hook)
+            return None
         report = self._ledger.report(self.step_index, self._attempt, self.rank, watched=self._watching,
                                      stats=self.screen_stats, round_trip=round_trip, module_hook=module_hook)
+        screened = self._gradient_screen
+        if not self._screen_tried and report.attempt == 0 and self.screens_gradients:
+            self._warn_once("unscreened", "sdc_guard: the sampler screens gradients, but only "
+                            "guard.optimizer_step(optimizer, closure) runs the screen; steps closed by "
+                            "guard.step() or a protect() block are not screened (only the sampler's "
+                            "background verifies anything)")
+        if screened is not None and report.attempt == 0:
+            report.gradient_screened = True
+            report.gradient_screen_tripped = screened.tripped
+            report.gradient_ratio = screened.worst_ratio
+            report.gradient_total_ratio = screened.total_ratio
+            report.nonfinite_grads = screened.nonfinite
         self.reports.append(report)
         self._publish("observe_report", report)
         if report.attempt == 0:
@@ -270,6 +298,40 @@ class Guard:
             self._responder = Responder(self, optimizer, self.policy, self.snapshots, step_fn)
             self.snapshots = self._responder.snapshots
         return self._responder.run(closure, replay=replay, loss=loss)
+
+    @property
+    def screens_gradients(self) -> bool:
+        """Whether the sampler screens gradients (``sampling.Screened``): then
+        ``optimizer_step`` screens each step and re-executes, verified, a tripped one."""
+        return sampler_screens(self.sampler)
+
+    def screen_gradients(self, params: list[Tensor]) -> GradientScreen | None:
+        """Screen the gradients of ``params`` for the open step (``None`` if the sampler
+        does not screen); the result goes into the step's report. Called by
+        ``optimizer_step`` between the backward and the optimizer step."""
+        if not self.screens_gradients:
+            return None
+        if not self._step_open:
+            raise RuntimeError("screen_gradients(): no step is open (call it before the step closes)")
+        grads = [p.grad for p in params if p.grad is not None]
+        started = time.perf_counter()
+        self._screen_tried = True
+        try:
+            screened = self.sampler.screen_gradients(grads)  # type: ignore[attr-defined]
+        except Exception as exc:  # a monitoring failure never stops training: the step goes unscreened
+            self._warn_once(f"screen:{type(exc).__name__}", f"sdc_guard: could not screen the gradients "
+                            f"({type(exc).__name__}: {exc}); this step is not screened")
+            return None
+        finally:
+            self._ledger.hook_seconds += time.perf_counter() - started
+        self._gradient_screen = screened
+        return screened
+
+    def resolve_screen(self, verdict: str, params: list[Tensor] | None = None) -> None:
+        """Tell the screening sampler how its trip was resolved (``Screened.resolve_screen``)."""
+        if self.screens_gradients:
+            grads = None if params is None else [p.grad for p in params if p.grad is not None]
+            self.sampler.resolve_screen(verdict, grads)  # type: ignore[attr-defined]
 
     @property
     def step_open(self) -> bool:

@@ -25,6 +25,10 @@ name                                           type       labels besides ``rank`
 ``sdc_guard_responses_total``                  counter    action
 ``sdc_guard_screen_misses_total``              counter    suspects the confirmation cleared
 ``sdc_guard_segments_checked_total``           counter    (row, segment)s screened
+``sdc_guard_gradient_screen_trips_total``      counter    steps the gradient screen tripped
+``sdc_guard_gradient_screen_misses_total``     counter    trips whose re-execution was clean
+                                                          and identical (not acted on)
+``sdc_guard_gradient_screen_ratio``            gauge      last step's worst norm/reference
 ``sdc_guard_verify_seconds_total``             counter    verification time, all runs
 ``sdc_guard_guard_seconds_total``              counter    all the guard added, all runs
 ``sdc_guard_step_seconds_total``               counter    step wall time, all runs
@@ -47,7 +51,8 @@ Choices, and why:
   is real cost. Long-run overhead is ``rate(guard) / (rate(step) - rate(guard))`` (the
   guard's whole cost: interception, bookkeeping, verification), which is what the alert
   on the budget uses; the per-step gauges are for dashboards.
-- Detections are counted on the rank(s) whose GEMMs flagged (``outcome.flagged_ranks``);
+- Detections are counted on the rank(s) whose GEMMs flagged (``outcome.flagged_ranks``)
+  or whose gradient screen tripped (``outcome.tripped_ranks``) into a confirmed detection;
   responses on every rank, since every rank takes the response in lockstep.
 - Sites (module paths) are unbounded in general, so they label only the flagged-GEMM
   counter, the first ``max_sites`` distinct flagged sites by name and the rest as
@@ -212,6 +217,12 @@ class GuardMetrics:
                                 "(a clean product suspected; never acted on), re-executions included.").labels(rank=r)
         self._segments = c("sdc_guard_segments_checked",
                            "(row, segment)s the screen checked, re-executions included.").labels(rank=r)
+        self._gradient_trips = c("sdc_guard_gradient_screen_trips",
+                                 "Steps whose gradient screen (sampling.Screened) tripped on this rank: "
+                                 "each was re-executed with every GEMM verified.").labels(rank=r)
+        self._gradient_misses = c("sdc_guard_gradient_screen_misses",
+                                  "Gradient-screen trips whose verified re-execution was clean and identical to "
+                                  "the first run (a legitimately unusual step; not acted on), on every rank.").labels(rank=r)
         self._gemms_unverifiable = c("sdc_guard_gemms_unverifiable",
                                      "GEMM-bearing ops that could not be verified (first runs).").labels(rank=r)
         self._site_flagged = c("sdc_guard_site_gemms_flagged",
@@ -242,6 +253,9 @@ class GuardMetrics:
         self._worst_ratio = g("sdc_guard_worst_check_ratio",
                               "Largest screen D/T of the last step's verified GEMMs (above 1: the screen flagged; "
                               "only a confirmed flag is a detection).")
+        self._gradient_ratio = g("sdc_guard_gradient_screen_ratio",
+                                 "Largest per-parameter gradient norm over its reference at the last screened step "
+                                 "(above the screen's factor: it tripped).")
         self._last_detection_step = g("sdc_guard_last_detection_step", "Step of the last detection (-1: none).")
         self._last_detection_step.set(-1)
         self._last_detection_time = g("sdc_guard_last_detection_timestamp_seconds",
@@ -276,6 +290,10 @@ class GuardMetrics:
         self._overhead.set(report.overhead)
         self._verify_overhead.set(report.verify_overhead)
         self._worst_ratio.set(report.worst_ratio)
+        if report.gradient_screened:
+            self._gradient_ratio.set(report.gradient_ratio)
+            if report.gradient_screen_tripped:
+                self._gradient_trips.inc()
         self._gemms_unverifiable.inc(sum(report.unverified_ops.values()))
         for (op, phase, dtype), counts in report.by_kind.items():
             labels = {"rank": r, "op": op, "phase": phase, "dtype": dtype}
@@ -298,8 +316,11 @@ class GuardMetrics:
         if not isinstance(outcome, StepOutcome):
             raise TypeError(f"outcome: expected a sdc_guard.StepOutcome, got {type(outcome).__name__}")
         r = str(self.rank)
-        if outcome.classification is not None and outcome.report.rank in outcome.flagged_ranks:
+        rank = outcome.report.rank
+        if outcome.classification is not None and (rank in outcome.flagged_ranks or rank in outcome.tripped_ranks):
             self._detections.labels(rank=r, classification=outcome.classification).inc()
+        if outcome.screen == "miss":
+            self._gradient_misses.inc()
         if outcome.action is not None:
             self._responses.labels(rank=r, action=outcome.action).inc()
         if outcome.action in ("exit", "raise") and self._push_target is not None:

@@ -64,7 +64,7 @@ from .snapshot import SnapshotStore
 
 if TYPE_CHECKING:
     from .guard import Guard
-    from .report import StepReport
+    from .report import Detection, StepReport
 
 log = logging.getLogger("sdc_guard")
 
@@ -94,9 +94,10 @@ class SDCError(RuntimeError):
     def __init__(self, outcome: "StepOutcome") -> None:
         self.outcome = outcome
         self.report = outcome.report
-        where = ", ".join(f"{d.site} ({d.phase} {d.op}, rank {d.rank})" for d in outcome.report.detections)
+        where = ", ".join(f"{d.site} ({d.phase} {d.op}, rank {d.rank})" for d in outcome.detections)
+        ranks = outcome.flagged_ranks or outcome.tripped_ranks
         super().__init__(f"silent data corruption detected at step {outcome.step} on rank(s) "
-                         f"{outcome.flagged_ranks}: {where or 'another rank'}; classification "
+                         f"{ranks}: {where or 'another rank'}; classification "
                          f"{outcome.classification}")
 
 
@@ -121,6 +122,26 @@ class StepOutcome:
     stepped: bool = True  #: whether the optimizer updated the parameters
     reruns: list["StepReport"] = field(default_factory=list)
     rolled_back_to: int | None = None
+    #: ranks whose gradient screen (``sampling.Screened``) tripped at this step
+    tripped_ranks: list[int] = field(default_factory=list)
+    #: how a tripped gradient screen was resolved, one of ``sampling.SCREEN_VERDICTS``
+    #: ("miss": the verified re-execution was identical, nothing done); None: no trip
+    screen: str | None = None
+
+    @property
+    def detected(self) -> bool:
+        """Whether the step was a detection: a GEMM flagged on some rank, or a tripped
+        gradient screen whose re-execution found corruption (or that could not be
+        re-executed). A screen miss is not one."""
+        return bool(self.flagged_ranks) or self.classification is not None
+
+    @property
+    def detections(self) -> list["Detection"]:
+        """The first run's detections, else (a screened step, whose first run verified
+        nothing) those of its re-executions."""
+        if self.report.detections:
+            return list(self.report.detections)
+        return [d for rerun in self.reruns for d in rerun.detections]
 
 
 def _check_action(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -282,13 +303,23 @@ class Responder:
         closure_start = 0 if replay else self.guard.gemms_seen  # GEMMs before this point cannot be re-run
         if not replay:
             loss = closure() if closure is not None else None
+        screened = self.guard.screen_gradients(self._params)  # None unless the sampler screens
         report = self.guard.end_step()
-        outcome = StepOutcome(report.step, loss, report, distributed.flagged_ranks(report.flagged > 0))
+        if screened is None:
+            flagged, tripped = distributed.flagged_ranks(report.flagged > 0), []
+        else:
+            flagged, tripped = distributed.step_flags(report.flagged > 0, screened.tripped)
+        outcome = StepOutcome(report.step, loss, report, flagged, tripped_ranks=tripped)
         try:
             if outcome.flagged_ranks:
                 outside = any(d.call_index < closure_start for d in report.detections) or closure is None
                 rerunnable = not distributed.agree_max(int(outside))
                 self._respond(outcome, closure if rerunnable else None, rng, grads_before)
+            elif outcome.tripped_ranks:
+                # GEMMs before the closure cannot be re-run: agreed, as for a detection
+                outside = closure is None or closure_start > 0
+                rerunnable = not distributed.agree_max(int(outside))
+                self._rescreen(outcome, closure if rerunnable else None, rng, grads_before)
             else:
                 self._step_fn()
         finally:  # raise and exit are responses too: record them
@@ -299,7 +330,7 @@ class Responder:
         if outcome.stepped or outcome.action == "skip":
             self.snapshots.after_step(report.step)  # never raises: a failing disk warns once
         self.guard.charge(time.perf_counter() - started)  # no step is open: the next report's
-        self.guard.begin_step()
+        self.guard.begin_step(provisional=True)
         return outcome
 
     def _respond(self, outcome: StepOutcome, closure: Callable[[], Any] | None, rng: _Rng,
@@ -324,6 +355,63 @@ class Responder:
         outcome.action = action
         log.warning("sdc_guard: corruption at step %d on rank(s) %s (%s): %s", outcome.step,
                     outcome.flagged_ranks, outcome.classification, action)
+        self._apply(action, outcome)
+
+    def _rescreen(self, outcome: StepOutcome, closure: Callable[[], Any] | None, rng: _Rng,
+                  grads_before: list[Tensor | None] | None) -> None:
+        """A tripped gradient screen: re-execute the step with every GEMM verified, on
+        every rank, and compare. A confirmed corruption in a re-execution: PERSISTENT
+        (the fault is still there); clean re-executions that agree with each other but
+        not with the first run's gradients: TRANSIENT (they are what the optimizer
+        steps with); re-executions that disagree with each other: NON_DETERMINISTIC;
+        clean and identical to the first run: a screen miss, nothing more is done. A
+        step that cannot be re-executed is answered as an unconfirmed detection."""
+        if closure is None:
+            outcome.screen = "unresolved"
+            self.guard.resolve_screen("unresolved")
+            self._respond(outcome, None, rng, grads_before)
+            return
+        first = _grads(self._params)
+        signatures, rerun_grads = [], []
+        for _ in range(self.policy.reruns):
+            rng.restore()
+            if grads_before is not None:  # None: a replaying closure restores its own
+                _set_grads(self._params, grads_before)
+            self.guard.begin_step(rerun=True)
+            outcome.loss = closure()
+            rerun = self.guard.end_step()
+            outcome.reruns.append(rerun)
+            signatures.append(_signature(rerun))
+            rerun_grads.append(_grads(self._params) if self.policy.reruns > 1 else None)
+        if any(signatures):
+            local = Triage.PERSISTENT if all(s and s == signatures[0] for s in signatures) \
+                else Triage.NON_DETERMINISTIC
+        elif len(rerun_grads) > 1 and not all(_same(rerun_grads[0], g) for g in rerun_grads[1:]):
+            local = Triage.NON_DETERMINISTIC
+        else:
+            local = Triage.CLEAN if _same(first, _grads(self._params)) else Triage.TRANSIENT
+        triage = Triage(distributed.agree_max(int(local)))
+        if triage == Triage.CLEAN:  # the statistic was legitimately unusual
+            outcome.screen = "miss"
+            self.guard.resolve_screen("miss")
+            self._step_fn()  # with gradients identical to the first run's
+            return
+        outcome.screen = outcome.classification = triage.name.lower()
+        self.guard.resolve_screen(outcome.screen, self._params)
+        if triage == Triage.TRANSIENT and self.policy.on_detection == "recompute":
+            outcome.action = "recompute"
+            self.snapshots.note_detection(resolved=True)
+            self._step_fn()  # with the clean re-execution's gradients
+            return
+        if triage == Triage.PERSISTENT:
+            action = self.policy.escalate(outcome.step)
+        elif triage == Triage.TRANSIENT:
+            action = self.policy.on_detection
+        else:
+            action = self.policy.on_nondeterministic
+        outcome.action = action
+        log.warning("sdc_guard: gradient screen tripped at step %d on rank(s) %s; re-execution: %s; %s",
+                    outcome.step, outcome.tripped_ranks, outcome.classification, action)
         self._apply(action, outcome)
 
     def _triage(self, outcome: StepOutcome, closure: Callable[[], Any], rng: _Rng,
@@ -390,7 +478,7 @@ def write_exit_report(directory: str | os.PathLike, code: int, outcome: StepOutc
     text = json.dumps(strict_json({
         "exit_code": code, "step": outcome.step, "flagged_ranks": outcome.flagged_ranks,
         "classification": outcome.classification, "pid": os.getpid(),
-        "detections": [asdict(d) for d in outcome.report.detections],
+        "detections": [asdict(d) for d in outcome.detections], "tripped_ranks": outcome.tripped_ranks,
     }), indent=2, allow_nan=False)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:

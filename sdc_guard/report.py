@@ -82,6 +82,13 @@ class StepReport:
     verify_overhead: float = 0.0  #: verify_seconds / (step_seconds - verify_seconds)
     guard_seconds: float = 0.0  #: everything the guard added to the step (see the class doc)
     intercepted_ops: int = 0  #: aten ops the dispatch mode saw
+    #: the gradient screen (``sampling.Screened``) ran on this step's gradients
+    gradient_screened: bool = False
+    #: it tripped: the step was re-executed with every GEMM verified (see StepOutcome.screen)
+    gradient_screen_tripped: bool = False
+    gradient_ratio: float = 0.0  #: largest per-parameter gradient norm over its reference
+    gradient_total_ratio: float = 0.0  #: norm of all gradients over the references' norm
+    nonfinite_grads: int = 0  #: parameters whose gradient held a NaN or an infinity
 
     @property
     def flag(self) -> bool:

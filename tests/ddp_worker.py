@@ -30,11 +30,18 @@ def run(rank: int, world_size: int, port: int, scenario: str, out_dir: str) -> N
             faults = (sdc_guard.GemmFault(site="blocks.0.fc1", phase="forward", step=2),)
         if scenario == "sticky" and rank == world_size - 1:
             faults = (sdc_guard.GemmFault(site="head", step=3, sticky=True),)
-        outcomes, losses, _ = train(model, 6, faults=faults, rank=rank, wrapped=ddp,
+        sampler = None
+        if scenario == "screened":  # the gradient screen; the fault on one rank reaches all through DDP
+            sampler = sdc_guard.sampling.Screened(warmup=2)
+            if rank == 1:
+                faults = (sdc_guard.GemmFault(site="blocks.0.fc2", phase="backward", step=3, bit=30,
+                                              element=(3, 5)),)
+        outcomes, losses, _ = train(model, 6, faults=faults, rank=rank, wrapped=ddp, sampler=sampler,
                                     remove_faults_after=4 if scenario == "sticky" else None)
         torch.save([p.detach() for p in model.parameters()], Path(out_dir) / f"rank{rank}.pt")
         summary = [{"step": o.step, "flagged_ranks": o.flagged_ranks, "classification": o.classification,
-                    "action": o.action, "stepped": o.stepped, "rolled_back_to": o.rolled_back_to}
+                    "action": o.action, "stepped": o.stepped, "rolled_back_to": o.rolled_back_to,
+                    "tripped_ranks": o.tripped_ranks, "screen": o.screen, "reruns": len(o.reruns)}
                    for o in outcomes]
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps({"outcomes": summary, "losses": losses}))
         dist.barrier()  # no rank tears gloo down while another still talks to it

@@ -41,6 +41,7 @@ def train(
     remove_faults_after: int | None = None,
     lr: float = 1e-2,
     wrapped: torch.nn.Module | None = None,
+    sampler: Any = None,
 ) -> tuple[list[sdc_guard.StepOutcome], list[float], sdc_guard.SnapshotStore]:
     """Train with ``guard.optimizer_step``; faults (if any) injected on this rank.
 
@@ -51,7 +52,7 @@ def train(
     store = sdc_guard.SnapshotStore(model, opt, every=snapshots_every)
     outcomes, losses = [], []
     drill = sdc_guard.drill(model, *faults) if faults else contextlib.nullcontext()
-    with drill, sdc_guard.protect(model, policy=policy, snapshots=store) as guard:
+    with drill, sdc_guard.protect(model, policy=policy, snapshots=store, sampler=sampler) as guard:
         for step in range(steps):
             if remove_faults_after is not None and step == remove_faults_after and faults:
                 for fault in faults:

@@ -119,6 +119,25 @@ def test_detect(tmp_path: Path) -> None:
         assert res["summary"]["false_alarms"] == 0
 
 
+def test_detect_training_reports_what_each_sampler_catches_by_bit_class(tmp_path: Path) -> None:
+    report = bench(tmp_path, "detect", "--training", "--trials", "4")
+    names = ["Full()", "Budget(0.05)", "Screened()", "Screened(Budget(0.05))"]
+    assert report["mode"] == "training" and report["samplers"] == names
+    rows = {r["class"]: r for r in report["results"]}
+    assert list(rows) == ["sign", "exponent (top)", "exponent", "mantissa", "all"]
+    assert all(rows[c]["trials"] == 1 for c in ("sign", "exponent (top)", "exponent", "mantissa"))
+    trials = report["trials"]
+    assert [t["class"] for t in trials] == ["sign", "exponent (top)", "exponent", "mantissa"]
+    top = trials[1]
+    assert top["changed"] and top["caught"]["Full()"]  # a flipped top exponent bit: caught by the check
+    for t in trials:  # the screen beside a Budget sees what the screen alone sees, and the Budget's sweeps
+        assert t["caught"]["Screened(Budget(0.05))"] >= t["caught"]["Screened()"]
+        assert t["harmful"] == (t["update_change"] > 0.01)
+    everything = rows["all"]["samplers"]
+    assert everything["Full()"]["caught"] == sum(t["caught"]["Full()"] for t in trials)
+    assert everything["Full()"]["harmful_let_through"] == sum(t["harmful"] and not t["caught"]["Full()"] for t in trials)
+
+
 def test_calibrate_recommends_margin_over_measured_max(tmp_path: Path) -> None:
     report = bench(tmp_path, "calibrate", "--dtypes", "bf16,fp32", "--shapes", "8x64x300", "--trials", "3",
                    "--margin", "3")
@@ -155,7 +174,7 @@ def test_train(tmp_path: Path) -> None:
                    "--budget", "0.05", "--window", "3")
     results = {r["config"]: r for r in report["results"]}
     assert list(results) == ["baseline", "empty dispatch mode", "intercept only", "Full()", "Budget(0.05, window=3)",
-                             "EveryN(2)"]
+                             "EveryN(2)", "Screened()"]
     assert all(r["step_ms_median"] > 0 for r in results.values())
     assert "sites" not in results["empty dispatch mode"]  # no guard: nothing seen, nothing verified
     full = results["Full()"]
@@ -166,7 +185,11 @@ def test_train(tmp_path: Path) -> None:
     assert budget["max_gap_steps"] < 3 and budget["sites"] == full["sites"] > 0  # the window's promise
     assert budget["budget_coverage"] == 1.0
     assert results["EveryN(2)"]["max_gap_steps"] == 1  # verified on every second step
-    assert set(report["targets"]) == {"full_le_20pct", "budget_le_7pct", "budget_every_site_within_20"}
+    screened = results["Screened()"]  # the gradient screen: no GEMM seen, none verified, no trip on clean steps
+    assert (screened["gemms_seen_per_step"], screened["gemms_verified_per_step"], screened["screen_trips"]) == (0, 0, 0)
+    assert 0 < screened["gradient_ratio_max"] < 10
+    assert set(report["targets"]) == {"full_le_20pct", "budget_le_7pct", "budget_every_site_within_20",
+                                      "screened_le_1pct"}
 
 
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -290,3 +290,21 @@ def test_ddp_two_processes_fault_on_one_rank(tmp_path: Path) -> None:
     assert outcomes[0] == outcomes[1]
     assert [o for o in outcomes[0] if o["flagged_ranks"]] == [
         {"step": 2, "flagged_ranks": [1], "classification": "transient", "action": "recompute"}]
+
+
+def test_screened_sampler_reexecutes_a_tripped_step_and_weights_match_the_clean_run(tmp_path: Path) -> None:
+    from sdc_guard.sampling import Screened
+
+    clean = LitGPT()
+    fit(clean, sdc_guard.SDCGuard(metrics_port=None), tmp_path / "clean", steps=6)
+    module = LitGPT()
+    callback = sdc_guard.SDCGuard(metrics_port=None, sampler=Screened(warmup=2))
+    fit(module, callback, tmp_path / "fault", steps=6,
+        faults=(GemmFault(site="model.blocks.0.fc2", phase="backward", step=3, bit=30, element=(3, 5)),))
+    outcomes = callback.guard.outcomes
+    assert [r.verified for r in callback.reports if r.attempt == 0] == [0] * 6  # only the re-execution verifies
+    assert [(o.step, o.screen, o.classification, o.action) for o in outcomes if o.tripped_ranks] == [
+        (3, "transient", "transient", "recompute")]
+    assert outcomes[3].reruns[0].verified == 21 and outcomes[3].reruns[0].flagged == 0
+    assert callback.classifications == {"transient": 1} and callback.totals["detections"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(params(module), params(clean)))

@@ -165,3 +165,18 @@ def test_resume_from_checkpoint_continues_the_callbacks_counters(tmp_path: Path)
     assert resumed.totals["steps"] == 4 and resumed.classifications == {"transient": 1}
     assert [r.step for r in resumed.reports] == [2, 3]
     assert [r.verified > 0 for r in resumed.reports] == [False, True]  # EveryN(3) watches step 3
+
+
+def test_screened_sampler_reexecutes_a_tripped_step_and_weights_match_the_clean_run(tmp_path: Path,
+                                                                                     clean: dict) -> None:
+    from sdc_guard.sampling import Screened
+
+    callback = SDCGuardCallback(metrics_port=None, sampler=Screened(warmup=2))
+    fault = GemmFault(site="transformer.h.1.mlp.c_fc", phase="backward", step=3, bit=30, element=(1, 1))
+    trainer = train(callback, tmp_path, faults=(fault,))
+    assert [r.verified for r in callback.reports if r.attempt == 0] == [0] * 5
+    tripped = [o for o in callback.outcomes if o.tripped_ranks]
+    assert [(o.step, o.screen, o.classification, o.action) for o in tripped] == [
+        (3, "transient", "transient", "recompute")]
+    assert tripped[0].reruns[0].verified == GEMMS_PER_STEP and not tripped[0].reruns[0].flagged
+    assert all(torch.equal(a, b) for a, b in zip(params(trainer.model), clean["final"]))
