@@ -9,6 +9,7 @@ so a re-run on one rank alone would hang the other), and both end with identical
 
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,11 @@ def worker(rank: int, world_size: int, port: int) -> None:
         print(f"parameters identical on all ranks: {len(set(sums)) == 1}", flush=True)
     dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
+    # gloo's threads can still abort the interpreter's finalization (SIGABRT, "terminate
+    # called without an active exception"; pytorch/pytorch#179291): the work is done, so
+    # leave without finalizing
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def main() -> None:
