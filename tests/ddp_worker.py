@@ -54,7 +54,7 @@ def run(rank: int, world_size: int, port: int, scenario: str, out_dir: str) -> N
 def leave_without_finalizing() -> None:
     """End a worker whose work is done and written. gloo's worker threads can still abort
     the interpreter's finalization after ``destroy_process_group`` (SIGABRT, "terminate
-    called without an active exception"; seen about once in a few hundred runs here,
+    called without an active exception"; seen in two of this project's suite runs,
     pytorch/pytorch#179291 describes the race), which would fail a run that succeeded."""
     sys.stdout.flush()
     sys.stderr.flush()
