@@ -8,7 +8,7 @@ operands takes 0.1 ms, and 15 % of a 1 ms decode matmul. The C kernels of ``csrc
 optional) read ``A`` and ``C`` once, and ``B`` once for the weight side, in any layout,
 with bf16 / fp16 converted a block at a time, and compute D, T and the verdict of every
 (row, segment) in the same call. What stays in Python is the argument marshalling
-(``sdc_guard.native_call``), kept to a few microseconds (``tests/test_native.py`` and
+(``sdc_guard.backends.native_call``), kept to a few microseconds (``tests/test_native.py`` and
 ``sdc-guard bench overhead`` measure it).
 
 Contract: the same ``AbftCheck`` as the torch backend up to float rounding (the tests
@@ -33,12 +33,12 @@ import types
 import torch
 from torch import Tensor
 
-from .abft import AbftCheck, WeightSide, _bias_sums, explain_failures, weight_side
+from ..core.abft import AbftCheck, WeightSide, _bias_sums, explain_failures, weight_side
 from .native_call import (
     DTYPE_CODE, BufferWeightSide, Call, checksum32, encode_at, encoding_bytes, flat_args, layout, weight_reason,
     weight_side_of, ws_batch,
 )
-from .precision import SEGMENT
+from ..core.precision import SEGMENT
 
 __all__ = [
     "Scratch", "available", "native_check", "native_clear", "native_weight_side", "rejects", "thread_runtime",
@@ -49,7 +49,7 @@ __all__ = [
 def _import() -> tuple[types.ModuleType | None, str | None]:
     """The extension, imported once, or why it is missing."""
     try:
-        from . import _vabft_cpu  # type: ignore[attr-defined]
+        from .. import _vabft_cpu  # type: ignore[attr-defined]
     except ImportError as exc:
         return None, (f"native extension sdc_guard._vabft_cpu is not built ({exc}); "
                       "reinstall with a C compiler (pip install -e .)")

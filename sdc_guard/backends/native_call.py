@@ -2,7 +2,7 @@
 check (``Call``) or an encoding, the buffer an encoding is written to, and the batch dims
 collapsed into the kernels' two strides.
 
-Why a module of its own: ``sdc_guard.native`` says what the ``cpu`` backend does (which
+Why a module of its own: ``sdc_guard.backends.native`` says what the ``cpu`` backend does (which
 calls it covers, the check, its clear fast path, the weight side); this is the
 bookkeeping that turns a ``GemmRequest`` into the ~50 integers the C entry points take,
 and a kernel's output buffer back into tensors. Every function here is pure Python on
@@ -18,10 +18,10 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from .abft import WeightSide, effective_e_max, weight_side
-from .batching import batch_strides, collapse_batch, contiguous_strides
-from .precision import SEGMENT, UNIT_ROUNDOFF, bias_rounding, element_floor
-from .segments import _segment_constants
+from ..core.abft import WeightSide, effective_e_max, weight_side
+from ..core.batching import batch_strides, collapse_batch, contiguous_strides
+from ..core.precision import SEGMENT, UNIT_ROUNDOFF, bias_rounding, element_floor
+from ..core.segments import _segment_constants
 
 __all__ = [
     "BufferWeightSide", "C_CONSTANTS", "Call", "DTYPE_CODE", "Prepared", "bias_args", "buffer_geometry",

@@ -26,11 +26,11 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .abft import AbftCheck, row_stats, weight_side
-from .comp_row import decode_comp_row
-from .segments import segment_reduce
-from .backends import Backend, GemmRequest
-from .precision import UNIT_ROUNDOFF, overflow_limit
+from ..core.abft import AbftCheck, row_stats, weight_side
+from ..core.comp_row import decode_comp_row
+from ..core.segments import segment_reduce
+from .base import Backend, GemmRequest
+from ..core.precision import UNIT_ROUNDOFF, overflow_limit
 
 OP_NAME = "_npu_matmul_abft_verify"
 #: dtypes with a recommended e_max on the operator (fp16 has none: RFC, non-goals).

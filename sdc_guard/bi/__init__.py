@@ -40,8 +40,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from .bi_data import DataSpec, order_sensitive, resolve_data
-from .bi_report import BIReport, CellResult, Status, VariantRun
+from .data import DataSpec, order_sensitive, resolve_data
+from .report import BIReport, CellResult, Status, VariantRun
 
 __all__ = [
     "BIConfig", "BIReport", "CellResult", "DataSpec", "DEFAULT_CELLS", "Status", "VacuousInputWarning",

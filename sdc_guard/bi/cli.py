@@ -18,10 +18,10 @@ import sys
 
 import torch
 
-from .bi import DEFAULT_KS, DEFAULT_M_TOTALS, DEFAULT_NS, MODE_CHOICES, POSITIONS, load_object, make_config
-from .bi_data import DATA_SPECS
-from .bi_report import EXIT_HARNESS
-from .bi_suites import SuiteResult, matmul_suite, verify_suite
+from . import DEFAULT_KS, DEFAULT_M_TOTALS, DEFAULT_NS, MODE_CHOICES, POSITIONS, load_object, make_config
+from .data import DATA_SPECS
+from .report import EXIT_HARNESS
+from .suites import SuiteResult, matmul_suite, verify_suite
 
 SUITES = ("verify", "matmul", "collective")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-trials", type=int, default=3, help="phase 1 calls per variant (determinism)")
     parser.add_argument("--op", default=None,
                         help="matmul: module:attr or file.py:attr of an op(x, w) -> y to test instead; "
-                             "collective: of a sdc_guard.bi_collective.DistributedOp")
+                             "collective: of a sdc_guard.bi.collective.DistributedOp")
     parser.add_argument("--device", default=None, help="verify/matmul: device (default cuda if available)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the full report as JSON")
     parser.add_argument("--verbose", action="store_true", help="list every cell, not only the findings")
@@ -104,7 +104,7 @@ def _run_suite(args: argparse.Namespace) -> SuiteResult:
     if args.suite == "matmul":
         ops = {args.op: load_object(args.op)} if args.op else None
         return matmul_suite(configs, cells, ops)
-    from .bi_collective import LaunchConfig, collective_suite
+    from .collective import LaunchConfig, collective_suite
 
     if len(configs) != 1:
         raise ValueError(f"dtype: the collective suite runs one dtype at a time, got {list(dtypes)}")
@@ -115,7 +115,7 @@ def _run_suite(args: argparse.Namespace) -> SuiteResult:
 
 def _merge(results: list[SuiteResult]) -> SuiteResult:
     """One verify result over several dtypes (subjects and controls merged separately)."""
-    from .bi_report import BIReport
+    from .report import BIReport
 
     control = BIReport.merge([r.control for r in results if r.control is not None])
     return SuiteResult(results[0].suite, BIReport.merge([r.report for r in results]), control, results[0].header)

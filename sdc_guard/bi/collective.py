@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .bi import DEFAULT_CELLS, MODE_CHOICES, POSITIONS, BIConfig, Cell, Op, expected_cell_count, load_object, \
+from . import DEFAULT_CELLS, MODE_CHOICES, POSITIONS, BIConfig, Cell, Op, expected_cell_count, load_object, \
     make_config, matrix_text, run_cells
-from .bi_report import BIReport, CellResult, Status
-from .bi_suites import SuiteResult
+from .report import BIReport, CellResult, Status
+from .suites import SuiteResult
 
 #: Which status wins when ranks disagree about a cell (the most alarming first).
 _PRECEDENCE = (Status.ERROR, Status.NON_DET, Status.BI_FAIL, Status.SKIP, Status.BI_PASS)
@@ -184,7 +184,7 @@ def _target_arg(text: str) -> str | int:
 
 
 def _worker_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sdc_guard.bi_collective", description="one world size's worker")
+    p = argparse.ArgumentParser(prog="python -m sdc_guard.bi.collective", description="one world size's worker")
     p.add_argument("--json", required=True, help="where rank 0 writes the agreed report")
     p.add_argument("--cells", nargs="+", type=_cell_arg, required=True)
     p.add_argument("--mode", choices=MODE_CHOICES, default="both")
@@ -210,7 +210,7 @@ def load_distributed_ops(spec: str | None) -> tuple[DistributedOp, ...]:
 
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of each rank (``torch.distributed.run ... -m sdc_guard.bi_collective``)."""
+    """Entry point of each rank (``torch.distributed.run ... -m sdc_guard.bi.collective``)."""
     args = _worker_parser().parse_args(argv)
     if args.pid_dir:
         Path(args.pid_dir, f"rank{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
@@ -320,7 +320,7 @@ def _error_report(world_size: int, cells: Sequence[Cell], config: BIConfig, op_n
 def _job_command(world_size: int, port: int, worker_args: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size), "--nnodes", "1",
             "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", "0",
-            "-m", "sdc_guard.bi_collective", *worker_args]
+            "-m", "sdc_guard.bi.collective", *worker_args]
 
 
 def _run_job(world_size: int, worker_args: list[str], launch: LaunchConfig, tmp: Path) -> tuple[int | None, str]:
@@ -383,7 +383,7 @@ def collective_suite(config: BIConfig, launch: LaunchConfig,
 
 if __name__ == "__main__":
     # Run the imported module, not this __main__ copy, so a user's op file that imports
-    # DistributedOp from sdc_guard.bi_collective passes the isinstance check.
-    from sdc_guard.bi_collective import worker_main as _worker_main
+    # DistributedOp from sdc_guard.bi.collective passes the isinstance check.
+    from sdc_guard.bi.collective import worker_main as _worker_main
 
     sys.exit(_worker_main())

@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .abft import vabft_check
-from .bi import DEFAULT_CELLS, BIConfig, Op, run_cells
-from .bi_report import EXIT_BI_FAIL, EXIT_HARNESS, EXIT_OK, STATUS_NAMES, BIReport, Status, format_counts
-from .legacy import legacy_check
-from .precision import default_e_max
+from ..core.abft import vabft_check
+from . import DEFAULT_CELLS, BIConfig, Op, run_cells
+from .report import EXIT_BI_FAIL, EXIT_HARNESS, EXIT_OK, STATUS_NAMES, BIReport, Status, format_counts
+from ..core.legacy import legacy_check
+from ..core.precision import default_e_max
 
 
 def vabft_row_verdict(x: Tensor, w: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ This module is the reference every backend is compared against. It computes, for
 - which segments cannot be judged (non-finite inputs) and which non-finite results may be
   a legitimate overflow (fp16 AMP overflows are routine; GradScaler handles them).
 
-This is the *screen*: a segment it flags is a suspect, which ``sdc_guard.confirm`` then
+This is the *screen*: a segment it flags is a suspect, which ``sdc_guard.core.confirm`` then
 settles exactly before anything acts on it.
 
 It never writes to its inputs and never synchronises an accelerator with the host, so the
@@ -310,7 +310,7 @@ class AbftCheck:
 
     @property
     def sdc(self) -> Tensor:
-        """Segments the screen suspects of corruption (to be confirmed: ``sdc_guard.confirm``)."""
+        """Segments the screen suspects of corruption (to be confirmed: ``sdc_guard.core.confirm``)."""
         return ~self.ok & ~self.inputs_bad & ~self.possible_overflow
 
     @property
@@ -423,7 +423,7 @@ def explain_failures(
     the masks that say why a failed bit is not corruption (``inputs_bad``,
     ``possible_overflow``), from A's row mean, max and min (``[..., M, 1]``), the weight
     side and the bias sums. ``ok`` must already be ``D <= T`` and finite. Shared by every
-    backend that reports these statistics (the torch path above, ``sdc_guard.native``),
+    backend that reports these statistics (the torch path above, ``sdc_guard.backends.native``),
     so that they classify non-finite inputs identically."""
     rows = _finish_rows(k, mu, hi, lo)
     inputs_bad = rows.bad.unsqueeze(-1) | ws.bad.unsqueeze(-2)

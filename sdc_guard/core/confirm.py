@@ -1,6 +1,6 @@
 """Exact confirmation of the screen's flags: recompute the flagged segments, bound every element.
 
-The screen (``sdc_guard.abft`` and the backends) is cheap and statistical: it compares one
+The screen (``sdc_guard.core.abft`` and the backends) is cheap and statistical: it compares one
 checksum per (row, 256-column segment) against a threshold, and a clean product may
 exceed it (structured operands it does not model). Nothing may act on that alone, so
 every flagged (row, segment) is settled here, from ``A`` and ``B`` only:

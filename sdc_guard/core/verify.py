@@ -17,12 +17,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends
+from .. import backends
 from .abft import AbftCheck
 from .comp_row import encode_comp_row
 from .confirm import candidates, confirm
 from .segments import num_segments
-from .backends import GemmRequest
+from ..backends import GemmRequest
 from .precision import check_dtype, resolve_screen
 
 KINDS = ("ok", "sdc", "overflow", "unverifiable")
@@ -193,7 +193,7 @@ class Verdict:
     ``ok`` is True when no corruption was confirmed (a legitimate overflow or an
     unverifiable segment is not corruption); ``kind`` says which case applies, with
     ``"sdc"`` > ``"overflow"`` > ``"unverifiable"`` > ``"ok"`` when several do. ``flags``
-    are confirmed by exact recomputation (``sdc_guard.confirm``); ``screen_flags`` are what
+    are confirmed by exact recomputation (``sdc_guard.core.confirm``); ``screen_flags`` are what
     the fast screen suspected, a superset where the screen saw the corruption at all. The
     masks are read-only (those of a clear verdict are one broadcast all-False view).
     """
@@ -297,7 +297,7 @@ def matmul_checksum(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     """Drop-in for ``torch_npu.matmul_checksum``: 0-dim bool tensor, True = anomaly.
 
     Read-only (the legacy path's in-place "self-heal" is gone) and synchronisation-free:
-    the screen's flags are confirmed on the device (``sdc_guard.confirm``, a fixed number
+    the screen's flags are confirmed on the device (``sdc_guard.core.confirm``, a fixed number
     of them, worst first), and a legitimate overflow is not an anomaly.
 
     >>> a, b = torch.randn(8, 64), torch.randn(64, 32)

@@ -63,8 +63,8 @@ from . import distributed
 from .snapshot import SnapshotStore
 
 if TYPE_CHECKING:
-    from .guard import Guard
-    from .report import Detection, StepReport
+    from ..runtime.guard import Guard
+    from ..runtime.report import Detection, StepReport
 
 log = logging.getLogger("sdc_guard")
 

@@ -22,7 +22,7 @@ the version counter (the key of every lookup), and the start of a watched step a
 unwatched ones (whatever happened in between). What it cannot observe, a bit flipped in
 memory, leaves the encoding of the good weight in place: the GEMM then reads the flipped
 weight, the screen flags it against the good encoding, and the confirmation
-(``sdc_guard.confirm``) tells a stale encoding from a wrong product: a corruption of the
+(``sdc_guard.core.confirm``) tells a stale encoding from a wrong product: a corruption of the
 weight at rest.
 """
 
@@ -35,7 +35,7 @@ from typing import Callable, Iterable
 import torch
 from torch import Tensor
 
-from .abft import WeightSide, weight_side
+from ..core.abft import WeightSide, weight_side
 
 CacheKey = tuple
 #: The version recorded for an entry made stale by ``invalidate`` (never a real version).

@@ -25,16 +25,16 @@ from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
-from . import backends
-from .backends import Backend, GemmRequest
+from .. import backends
+from ..backends import Backend, GemmRequest
 from .cache import WeightCache
 from .intercept import Gemm, GemmInterceptor, SiteTracker, current_phase, module_hook_seconds, round_trip_seconds
-from .precision import SUPPORTED_DTYPES, check_e_max, check_screen, resolve_screen
+from ..core.precision import SUPPORTED_DTYPES, check_e_max, check_screen, resolve_screen
 from .ledger import Pending, StepLedger
 from .report import KindKey, StepReport
-from .policy import Policy, Responder, StepOutcome
+from ..respond.policy import Policy, Responder, StepOutcome
 from .sampling import Full, GradientScreen, Sampler, SiteKey, check_sampler, sampler_screens, sampler_watches
-from .snapshot import SnapshotStore
+from ..respond.snapshot import SnapshotStore
 from .stats import ScreenStats
 
 #: Next step number per model, so per-step ``protect()`` blocks continue one schedule.
@@ -399,7 +399,7 @@ class Guard:
 
     def on_write(self, tensors: list[Tensor]) -> None:
         """Called by the dispatch mode with the tensors an op wrote: a parameter written by
-        the program needs its cached encoding remade (``sdc_guard.cache``)."""
+        the program needs its cached encoding remade (``sdc_guard.runtime.cache``)."""
         started = time.perf_counter()
         try:
             self._note_writes(tensors)
@@ -709,9 +709,9 @@ def protect(
     successive per-step blocks so that their state carries over; ``metrics`` receives
     every report and outcome (``sdc_guard.metrics.GuardMetrics`` exports them to
     Prometheus); ``cache_bytes`` bounds the weight-side cache; ``stats=True`` records the
-    screen's D/T per site over the run in ``guard.screen_stats`` (``sdc_guard.stats``: how
+    screen's D/T per site over the run in ``guard.screen_stats`` (``sdc_guard.runtime.stats``: how
     far the threshold sits from this model's data); ``screen`` chooses the screen's
-    threshold, ``"default"`` or ``"tight"`` (``sdc_guard.precision.SCREENS``: the tight one
+    threshold, ``"default"`` or ``"tight"`` (``sdc_guard.core.precision.SCREENS``: the tight one
     sees smaller errors and suspects more clean products, each cleared exactly).
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))

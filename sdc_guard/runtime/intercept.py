@@ -12,7 +12,7 @@ mode while its handler runs, verification's own ops are never intercepted. It al
 the guard which tensors an op wrote (the arguments its schema marks ``Tensor(a!)``), so
 that a weight written by the program (``p.data.add_()``, an optimizer step, a
 ``load_state_dict``) gets its cached encoding remade, while one changed by hardware keeps
-the encoding of its good value (``sdc_guard.cache``).
+the encoding of its good value (``sdc_guard.runtime.cache``).
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def round_trip_seconds() -> float:
     seconds: measured once per process (a 16-element ``add``, 300 times bare and 300 times
     under an empty mode, the difference of the medians). The guard charges it per op it
     intercepts, so that its reported cost includes interception, not only verification
-    (docs/ALGORITHM.md is silent on costs; sdc_guard.ledger says how they are added)."""
+    (docs/ALGORITHM.md is silent on costs; sdc_guard.runtime.ledger says how they are added)."""
     if not _round_trip:
         x = torch.ones(16)
 

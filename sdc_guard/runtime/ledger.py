@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .abft import AbftCheck
-from .confirm import candidates, confirm
-from .precision import SEGMENT
+from ..core.abft import AbftCheck
+from ..core.confirm import candidates, confirm
+from ..core.precision import SEGMENT
 from .report import Detection, GemmCounts, KindKey, StepReport
 from .sampling import SiteKey, StepCosts
 from .stats import ScreenStats
@@ -87,7 +87,7 @@ class Clock:
 
 def summarize(req: object, check: AbftCheck, cached: bool = False) -> tuple[Tensor | None, Tensor | list[float]]:
     """Device-side reduction of one check of ``req``, after confirming its flags
-    (``sdc_guard.confirm``): (confirmed-corruption mask, ``SUMMARY`` numbers).
+    (``sdc_guard.core.confirm``): (confirmed-corruption mask, ``SUMMARY`` numbers).
 
     A ``clear`` check (CPU: every segment passed, all finite) has nothing to confirm or
     reduce but its worst ratio (given by the native backend, else read on the host, where

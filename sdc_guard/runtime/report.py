@@ -51,7 +51,7 @@ class StepReport:
     without it; ``verify_overhead`` counts verification alone. ``guard_seconds`` is
     partly estimated: the dispatch mode's round trip per intercepted op and the site
     hooks' cost per module call are charged at rates measured once per process
-    (``sdc_guard.ledger.StepLedger.guard_seconds``); what the mode and hooks cost the
+    (``sdc_guard.runtime.ledger.StepLedger.guard_seconds``); what the mode and hooks cost the
     model's own ops between them (cache effects) is not in it, so on small models, where
     they dominate, the estimate is low (``sdc-guard bench train`` shows both).
     """

@@ -467,7 +467,7 @@ class Screened:
     dispatch mode and no GEMM check on the steps the screen passes.
 
     A tripped step is re-executed by the guard with every GEMM verified
-    (``sdc_guard.policy``): a corruption confirmed there is PERSISTENT; a clean
+    (``sdc_guard.respond.policy``): a corruption confirmed there is PERSISTENT; a clean
     re-execution whose gradients differ from the first run's is TRANSIENT (training goes
     on with the re-execution's gradients); identical gradients make the trip a *screen
     miss*: the statistic was legitimately unusual, counted and nothing else.

@@ -5,15 +5,15 @@ summary at a glance on stdout when it ends, and (``--json PATH``) everything it 
 
 - ``overhead``: what verification costs per matmul against the bare matmul, beside the
   legacy checksum, a full recompute and the memory-traffic floor
-  (``sdc_guard.bench_overhead``);
+  (``sdc_guard.tools.bench_overhead``);
 - ``fp``: false positives on clean products, the proposal's acceptance 1
-  (``sdc_guard.bench_fp``);
+  (``sdc_guard.tools.bench_fp``);
 - ``detect``: detection rate by flipped bit, flip direction and error magnitude
-  (``sdc_guard.bench_detect``);
+  (``sdc_guard.tools.bench_detect``);
 - ``train``: end-to-end training-step overhead of ``protect()`` with ``Full()``,
-  ``Budget`` and ``EveryN``, and the coverage each achieves (``sdc_guard.bench_train``);
+  ``Budget`` and ``EveryN``, and the coverage each achieves (``sdc_guard.tools.bench_train``);
 - ``calibrate``: the largest D/T at ``e_max = 1`` on this device, and the ``e_max`` to use
-  with a stated safety margin (``sdc_guard.bench_fp``).
+  with a stated safety margin (``sdc_guard.tools.bench_fp``).
 
 Exit status: 0, or 1 when ``fp`` counted a false positive, or 2 for bad arguments.
 
@@ -33,11 +33,11 @@ from .bench_common import Outcome, write_json
 
 #: subcommand -> (module, one-line help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "overhead": ("sdc_guard.bench_overhead", "per-matmul overhead against the bare matmul, beside the alternatives"),
-    "fp": ("sdc_guard.bench_fp", "false positives on clean products (must be 0)"),
-    "detect": ("sdc_guard.bench_detect", "detection rate by bit, flip direction and error magnitude"),
-    "train": ("sdc_guard.bench_train", "training-step overhead of protect() and the coverage of each sampler"),
-    "calibrate": ("sdc_guard.bench_calibrate", "max D/T at e_max = 1 on this device, and a recommended e_max"),
+    "overhead": ("sdc_guard.tools.bench_overhead", "per-matmul overhead against the bare matmul, beside the alternatives"),
+    "fp": ("sdc_guard.tools.bench_fp", "false positives on clean products (must be 0)"),
+    "detect": ("sdc_guard.tools.bench_detect", "detection rate by bit, flip direction and error magnitude"),
+    "train": ("sdc_guard.tools.bench_train", "training-step overhead of protect() and the coverage of each sampler"),
+    "calibrate": ("sdc_guard.tools.bench_calibrate", "max D/T at e_max = 1 on this device, and a recommended e_max"),
 }
 
 EXIT_BAD_ARGS = 2

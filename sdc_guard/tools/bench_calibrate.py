@@ -24,10 +24,10 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .bench_common import FP16_NOTE, SHORT_NAME, Outcome, Progress, machine, resolve_device, shape_label, table
-from .backends import GemmRequest, TorchBackend
+from ..backends import GemmRequest, TorchBackend
 from .bench_fp import add_data_arguments, cell_seed, clean_requests, data_cells
-from .intercept import GEMM_HANDLERS, current_phase
-from .precision import SUPPORTED_DTYPES, default_e_max
+from ..runtime.intercept import GEMM_HANDLERS, current_phase
+from ..core.precision import SUPPORTED_DTYPES, default_e_max
 
 #: Default safety margin: the recommended e_max is this many times the largest D/T seen.
 MARGIN = 4.0
@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"safety factor over the largest required e_max measured (default {MARGIN:g})")
     parser.add_argument("--model", default=None,
                         help="measure a real training run's GEMMs instead: toy:D/CTX/BATCH/LAYERS/LR or hf:ARCH "
-                             "(sdc_guard.bench_models)")
+                             "(sdc_guard.tools.bench_models)")
     parser.add_argument("--precision", default="bf16", choices=("fp32", "bf16", "fp16"),
                         help="with --model: the training precision (default bf16 autocast)")
     parser.add_argument("--steps", type=int, default=50, help="with --model: training steps measured (default 50)")

@@ -242,7 +242,7 @@ def machine(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     try:
-        from . import __version__
+        from .. import __version__
         info["sdc_guard"] = __version__
     except ImportError:  # pragma: no cover
         pass

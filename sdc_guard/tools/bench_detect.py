@@ -13,14 +13,14 @@ positives. So detection is reported
 Every row of a product is an independent trial (thresholds and checksums are row-local):
 one corrupted element per row, so one check of an ``M``-row product gives ``M`` trials. A
 trial counts as detected when its (row, segment) is *confirmed* corrupted (the screen
-flagged it and the exact recomputation of ``sdc_guard.confirm`` confirmed it, as the guard
+flagged it and the exact recomputation of ``sdc_guard.core.confirm`` confirmed it, as the guard
 acts on it); confirmed flags on other segments are false alarms (there must be none). Each
 screen (``--screens default,tight``) is measured on the same data, with its miss rate on
 the clean products beside it: the share of segments it suspected that the confirmation
 cleared.
 
 ``--training`` measures samplers instead of the check: faults in a training run
-(``sdc_guard.bench_detect_training``).
+(``sdc_guard.tools.bench_detect_training``).
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import backends
-from .abft import weight_side
-from .backends import GemmRequest
+from .. import backends
+from ..core.abft import weight_side
+from ..backends import GemmRequest
 from .bench_common import (
     DISTRIBUTIONS, FP16_NOTE, SHORT_NAME, Outcome, Progress, argtype, generator, machine, operands,
     parse_dtypes, parse_names, parse_shape, pct, product, resolve_device, table,
 )
-from .confirm import confirm
-from .precision import SCREENS, SEGMENT, resolve_screen
+from ..core.confirm import confirm
+from ..core.precision import SCREENS, SEGMENT, resolve_screen
 
 _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 #: (first exponent bit, sign bit) per dtype; mantissa bits lie below the exponent.
@@ -107,7 +107,7 @@ def _pick(candidates: Tensor, gen: torch.Generator) -> tuple[Tensor, Tensor]:
 
 def _segment_rms(c: Tensor) -> Tensor:
     """RMS of fp32 ``c`` over each row's 256-column segments, ``[M, nseg]``."""
-    from .abft import segment_reduce
+    from ..core.abft import segment_reduce
 
     sq = c.float().square()
     counts = segment_reduce(torch.ones_like(sq[:1]), lambda t, d: t.sum(d))

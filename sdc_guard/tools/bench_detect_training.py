@@ -1,7 +1,7 @@
 """``sdc-guard bench detect --training``: which samplers catch bit flips in a training run.
 
 ``bench detect`` measures the check itself, GEMM by GEMM. This measures what a sampler
-makes of it in training: a small GPT (``sdc_guard.toy_gpt``) trains, and at every step
+makes of it in training: a small GPT (``sdc_guard.tools.toy_gpt``) trains, and at every step
 after a warm-up one fault is injected: one bit of one element of the output of one
 GEMM, the GEMM drawn uniformly among the step's forward and backward GEMMs, the bit drawn
 within its class (sign, top exponent bit, other exponent bits, mantissa; the classes in
@@ -34,10 +34,10 @@ from torch import nn
 
 from .bench_common import Outcome, Progress, machine, pct, resolve_device, table
 from .bench_detect import bit_field
-from .guard import Guard, protect, set_current_step
-from .inject import GemmFault, drill
-from .sampling import Budget, Full, Sampler, Screened
-from .snapshot import SnapshotStore
+from ..runtime.guard import Guard, protect, set_current_step
+from ..runtime.inject import GemmFault, drill
+from ..runtime.sampling import Budget, Full, Sampler, Screened
+from ..respond.snapshot import SnapshotStore
 from .toy_gpt import GPT, GPTConfig
 
 #: Bit classes of a float32 GEMM output, in the order trials take them.

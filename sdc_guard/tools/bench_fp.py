@@ -4,13 +4,13 @@ Acceptance 1 of the proposal (RFC 3.5.1): gaussian, uniform and scaled data, the
 MOE-gate shapes, 1000 trials per cell, zero false positives. Here with bf16, fp16 and
 fp32, the dtype's default ``e_max`` (or ``--e-max``), a fresh A and B for every trial, and
 the verification the dispatcher picks for the device. A trial is a false positive when the
-exact confirmation (``sdc_guard.confirm``) confirms corruption in a clean product: what
+exact confirmation (``sdc_guard.core.confirm``) confirms corruption in a clean product: what
 the guard would act on. Segments the screen suspected and the confirmation cleared are
 counted beside (``screen_suspects``). Each cell also reports the largest screen D/T it
 saw: its distance from 1 is the margin the screen kept. A product that overflowed its dtype
 (fp16 on wide data) is a legitimate overflow, counted apart, not a false positive.
 
-``--models``: the real-model corpus instead (``sdc_guard.bench_models``): ``transformers``
+``--models``: the real-model corpus instead (``sdc_guard.tools.bench_models``): ``transformers``
 models built from small configs and the toy GPT at the configurations where earlier
 screens raised false alarms, trained for ``--steps`` guarded steps at real learning rates
 in each of ``--precisions``, every GEMM verified, for each of ``--screens``. A run counts
@@ -31,15 +31,15 @@ from typing import Iterator
 
 import torch
 
-from . import backends
-from .abft import AbftCheck
-from .backends import GemmRequest
+from .. import backends
+from ..core.abft import AbftCheck
+from ..backends import GemmRequest
 from .bench_common import (
     DISTRIBUTIONS, FP16_NOTE, SHORT_NAME, Outcome, Progress, argtype, generator, machine, operands,
     parse_dtypes, parse_names, parse_shape, product, resolve_device, shape_label, table,
 )
-from .confirm import confirm
-from .precision import SCREENS, resolve_e_max
+from ..core.confirm import confirm
+from ..core.precision import SCREENS, resolve_e_max
 
 #: The proposal's shape set for acceptance 1, CPU-sized: six LLM shapes (decode to prefill,
 #: attention/FFN) and four MOE-gate shapes.

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .guard import protect
-from .policy import Policy, SDCExit, StepOutcome
+from ..runtime.guard import protect
+from ..respond.policy import Policy, SDCExit, StepOutcome
 from .toy_gpt import GPT, CharData, GPTConfig, make_corpus
 
 #: autocast dtype and GradScaler per precision name

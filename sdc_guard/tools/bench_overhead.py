@@ -11,7 +11,7 @@ checking it (``bench_common`` says how):
   that what users call is measured beside what the guard runs;
 - ``warm``: V-ABFT with a cached weight-side encoding (the steady state of inference, and
   of a training step's repeated uses of one weight);
-- ``legacy``: the pure-PyTorch checksum V-ABFT replaces (``sdc_guard.legacy``);
+- ``legacy``: the pure-PyTorch checksum V-ABFT replaces (``sdc_guard.core.legacy``);
 - ``recompute``: the naive alternative, running the matmul again and comparing;
 - ``floor``: the memory-traffic floor, the bytes a verification must read (A, C, and B
   when cold) divided by a read bandwidth measured in the same run. No implementation
@@ -35,17 +35,17 @@ from typing import Any
 
 import torch
 
-from . import backends
-from .abft import num_segments
-from .backends import GemmRequest
+from .. import backends
+from ..core.abft import num_segments
+from ..backends import GemmRequest
 from .bench_common import (
     FP16_NOTE, SHORT_NAME, Outcome, argtype, Progress, busy_warning, emulated_fp16, generator, load_average,
     machine, median, operands, parse_dtypes, parse_shape, pct, product, read_bandwidth,
     resolve_device, shape_label, spread, table, time_columns,
 )
-from .legacy import legacy_check
-from .verify import matmul_checksum, verify_matmul
-from .precision import resolve_e_max
+from ..core.legacy import legacy_check
+from ..core.verify import matmul_checksum, verify_matmul
+from ..core.precision import resolve_e_max
 
 #: A CPU-sized version of the proposal's shapes (RFC 3.3 and its use-case table):
 #: group -> [(M, K, N)].

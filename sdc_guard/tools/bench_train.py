@@ -1,7 +1,7 @@
 """``sdc-guard bench train``: what ``protect()`` costs a training step, end to end.
 
-A small GPT (``sdc_guard.toy_gpt``, sized for a CPU by the options; or, with ``--model``,
-a ``transformers`` model built from a small config, ``sdc_guard.bench_models``) trains
+A small GPT (``sdc_guard.tools.toy_gpt``, sized for a CPU by the options; or, with ``--model``,
+a ``transformers`` model built from a small config, ``sdc_guard.tools.bench_models``) trains
 in seven identical copies: unprotected (the baseline), with an empty
 ``TorchDispatchMode`` around forward and backward (what PyTorch's Python dispatch of every
 op costs any mode-based interception), and under ``protect()`` with a sampler that
@@ -47,9 +47,9 @@ from .bench_common import (
     SHORT_NAME, Outcome, Progress, argtype, busy_warning, load_average, machine, parse_dtypes, pct,
     resolve_device, sync, table,
 )
-from .guard import protect
-from .sampling import Budget, EveryN, Full, Sampler, Screened, SiteKey, StepCosts, _Stateless, sampler_watches
-from .snapshot import SnapshotStore
+from ..runtime.guard import protect
+from ..runtime.sampling import Budget, EveryN, Full, Sampler, Screened, SiteKey, StepCosts, _Stateless, sampler_watches
+from ..respond.snapshot import SnapshotStore
 from .toy_gpt import GPT, GPTConfig
 
 #: The configuration that runs forward and backward under ``EmptyMode``.
@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="fp32 (default) or bf16 (autocast: the GEMMs run, and are verified, in bf16)")
     model.add_argument("--model", default=None,
                        help="a real model instead of the GPT above: hf:llama, hf:gpt2, hf:qwen2, hf:bert, ... or "
-                            "toy:D/CTX/BATCH/LAYERS/LR (sdc_guard.bench_models; overrides the GPT's options)")
+                            "toy:D/CTX/BATCH/LAYERS/LR (sdc_guard.tools.bench_models; overrides the GPT's options)")
 
 
 def _one_dtype(text: str) -> torch.dtype:

@@ -13,10 +13,10 @@ import sys
 
 #: subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("sdc_guard.demo", "train a small GPT with injected faults and watch them get caught (needs lightning)"),
-    "selftest": ("sdc_guard.selftest", "check the installation end to end on every available backend"),
-    "bi": ("sdc_guard.bi_cli", "batch-invariance and determinism harness"),
-    "bench": ("sdc_guard.bench", "benchmarks: overhead, false positives, detection, training overhead, e_max calibration"),
+    "demo": ("sdc_guard.tools.demo", "train a small GPT with injected faults and watch them get caught (needs lightning)"),
+    "selftest": ("sdc_guard.tools.selftest", "check the installation end to end on every available backend"),
+    "bi": ("sdc_guard.bi.cli", "batch-invariance and determinism harness"),
+    "bench": ("sdc_guard.tools.bench", "benchmarks: overhead, false positives, detection, training overhead, e_max calibration"),
 }
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from . import GemmFault, drill
+from .. import GemmFault, drill
 from .toy_gpt import GPT, CharData, GPTConfig, make_corpus
 
 
@@ -118,7 +118,7 @@ def _node_replacer(faults: Any, sticky: GemmFault) -> Any:
 
 def run_demo(args: argparse.Namespace) -> DemoResult:
     """Reference run, then the guarded run with drills; returns what was measured."""
-    from .integrations.lightning import SDCGuard
+    from ..integrations.lightning import SDCGuard
 
     started = time.perf_counter()
     data = CharData(make_corpus(seed=args.seed))

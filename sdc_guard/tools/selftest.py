@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import backends
-from .verify import verify_matmul
+from .. import backends
+from ..core.verify import verify_matmul
 
 
 @dataclass
