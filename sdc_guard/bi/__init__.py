@@ -19,7 +19,7 @@ row results change with M: ``composition`` (A and B both hold ``m_total`` rows) 
 ``batch-size`` (A holds ``min_batch`` rows, 1 unless a distributed op needs more; B holds
 ``m_total``). Target rows default to first, middle and last, since row 0 hides order
 changes in row-sharded collectives. Data spread their exponents widely, and a cell whose
-inputs sum exactly in every order is flagged as vacuous (see ``bi_data``).
+inputs sum exactly in every order is flagged as vacuous (see ``sdc_guard.bi.data``).
 
 >>> r = check(lambda x, w: torch.relu(x) * 2, [(4, 8, 2)], n_warmup=0, n_trials=2)
 >>> r.counts["BI_PASS"], r.summary_line()

@@ -271,7 +271,7 @@ def _kill_workers(pid_dir: Path) -> None:
         try:
             pid = int(pid_file.read_text())
             cmdline = Path(f"/proc/{pid}/cmdline")
-            if cmdline.exists() and b"bi_collective" not in cmdline.read_bytes():
+            if cmdline.exists() and b"sdc_guard.bi.collective" not in cmdline.read_bytes():
                 continue  # the pid was reused by someone else's process: not ours to end
             os.kill(pid, signal.SIGKILL)
         except (ValueError, OSError):
