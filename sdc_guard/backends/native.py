@@ -33,7 +33,7 @@ import types
 import torch
 from torch import Tensor
 
-from ..core.abft import AbftCheck, WeightSide, _bias_sums, explain_failures, weight_side
+from ..core.abft import AbftCheck, WeightSide, bias_sums, explain_failures, weight_side
 from .native_call import (
     DTYPE_CODE, BufferWeightSide, Call, checksum32, encode_at, encoding_bytes, flat_args, layout, weight_reason,
     weight_side_of, ws_batch,
@@ -175,7 +175,7 @@ def native_check(req: object, threads: int | None = None, force_threads: bool = 
         return AbftCheck(ok, bad, bad, diff, threshold, clear=True, worst_ratio=worst)
     bias_sum = bias_abs = None
     if call.bias is not None:
-        bias_sum, bias_abs = _bias_sums(call.bias, call.n, call.r, req.beta)  # type: ignore[attr-defined]
+        bias_sum, bias_abs = bias_sums(call.bias, call.n, call.r, req.beta)  # type: ignore[attr-defined]
     mu, hi, lo = (t.unsqueeze(-1) for t in rows)
     ws = call.ws if enc is None else weight_side_of(tuple(req.b.shape), enc)  # type: ignore[attr-defined]
     return explain_failures(ok, diff, threshold, call.k, mu, hi, lo, ws,

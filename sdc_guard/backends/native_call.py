@@ -21,7 +21,7 @@ from torch import Tensor
 from ..core.abft import WeightSide, effective_e_max, weight_side
 from ..core.batching import batch_strides, collapse_batch, contiguous_strides
 from ..core.precision import SEGMENT, UNIT_ROUNDOFF, bias_rounding, element_floor
-from ..core.segments import _segment_constants
+from ..core.segments import segment_constants
 
 __all__ = [
     "BufferWeightSide", "C_CONSTANTS", "Call", "DTYPE_CODE", "Prepared", "bias_args", "buffer_geometry",
@@ -127,7 +127,7 @@ def weight_side_of(shape: tuple[int, ...], buf: Tensor) -> WeightSide:
     agg = buf[o_agg: o_bad].view(torch.float64).view(8, *bshape, nseg)
     p1, p2, v, col_norm = agg[:4].unbind(0)
     bad = buf[o_bad:].view(torch.bool).view(*bshape, nseg)
-    widths = _segment_constants(n, buf.device)[0]
+    widths = segment_constants(n, buf.device)[0]
     ws = WeightSide(br.mT, babs.mT, p1, p2, v, col_norm, bad, widths, k, n)
     # the factors of the threshold's bracket, computed by the kernel exactly as
     # WeightSide._factors computes them (a cached_property: its slot is the instance dict)

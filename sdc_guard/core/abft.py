@@ -49,7 +49,7 @@ from .passes import (
 )
 from .segments import (
     _extrema32,
-    _segment_constants,
+    segment_constants,
     _sum32,
     _weighted,
     column_major,
@@ -106,7 +106,7 @@ class WeightSide:
         none of this."""
         n_s = self.widths
         if n_s.dim() == 1 and n_s.shape[0] == num_segments(self.n):
-            _, c_sqrt_n, c_n, sqrt_n = _segment_constants(self.n, n_s.device)
+            _, c_sqrt_n, c_n, sqrt_n = segment_constants(self.n, n_s.device)
             w64 = c_n / 4.0
         else:  # an encoding built elsewhere with its own widths
             w64 = n_s.double()
@@ -140,7 +140,7 @@ def weight_side(b: Tensor, checksum_weight: Tensor | None = None) -> WeightSide:
     if b.requires_grad:  # the blocked pass writes into out= buffers; verification needs no graph
         b = b.detach()
     k, n = b.shape[-2], b.shape[-1]
-    widths = _segment_constants(n, b.device)[0]
+    widths = segment_constants(n, b.device)[0]
     stats = None
     if b.dim() == 2 and k and n:
         weight32 = checksum_weight.float() if checksum_weight is not None else None
@@ -321,7 +321,7 @@ class AbftCheck:
         return self.diff / self.threshold
 
 
-def _bias_sums(bias: Tensor, n: int, checksum_weight: Tensor | None, beta: float) -> tuple[Tensor, Tensor]:
+def bias_sums(bias: Tensor, n: int, checksum_weight: Tensor | None, beta: float) -> tuple[Tensor, Tensor]:
     """``sum r*bias`` and ``|beta| sum |r*bias|`` per segment (``[..., nseg]``, fp32)."""
     bias_n = bias.reshape(1) if bias.dim() == 0 else bias
     if bias_n.shape[-1] != n:
@@ -397,7 +397,7 @@ def vabft_check(
         reference = reference * alpha
     bias_sum = bias_abs = None
     if bias is not None and beta != 0.0:
-        bias_sum, bias_abs = _bias_sums(bias, n, checksum_weight, beta)
+        bias_sum, bias_abs = bias_sums(bias, n, checksum_weight, beta)
         reference = reference + beta * bias_sum
     threshold = to_threshold32(threshold64(mu, hi, lo, rabs, ws, e_max, alpha, c.dtype, bias_abs, rounding))
     diff = (c_sum - reference).abs_()

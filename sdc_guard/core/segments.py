@@ -36,7 +36,7 @@ def segment_widths(n: int, device: torch.device | str = "cpu") -> Tensor:
 
 
 @lru_cache(maxsize=256)
-def _segment_constants(n: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def segment_constants(n: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``n_s`` (fp32, what segment means divide by), and ``c sqrt(n_s)``, ``c n_s`` and
     ``sqrt(n_s)`` in fp64 (the threshold's bracket is evaluated in fp64, see
     ``abft._bracket``), for ``n`` columns, shared between encodings (read-only): computed

@@ -114,7 +114,7 @@ def sampler_watches(sampler: Sampler) -> bool:
     return True if watches is None else bool(watches())
 
 
-class _Stateless:
+class Stateless:
     """Base for samplers whose only state is the step they are on."""
 
     step = 0
@@ -135,7 +135,7 @@ class _Stateless:
         self.step = int(state["step"])
 
 
-class Full(_Stateless):
+class Full(Stateless):
     """Verify every GEMM.
 
     >>> Full().should_verify(("fc1", "forward", "addmm"))
@@ -149,7 +149,7 @@ class Full(_Stateless):
         return "Full()"
 
 
-class Rate(_Stateless):
+class Rate(Stateless):
     """Verify each GEMM with probability ``p``; the same seed gives the same choices.
 
     >>> [Rate(0.5, seed=1).should_verify(("x", "forward", "mm")) for _ in range(2)]
@@ -187,7 +187,7 @@ def _check_positive_int(name: str, value: object) -> int:
     return value
 
 
-class EveryN(_Stateless):
+class EveryN(Stateless):
     """Verify every GEMM of steps 0, n, 2n, ...; the steps in between are not watched.
 
     >>> s = EveryN(3); s.begin_step(4); s.watches_step(), s.should_verify(("x", "forward", "mm"))

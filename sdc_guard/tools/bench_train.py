@@ -48,7 +48,7 @@ from .bench_common import (
     resolve_device, sync, table,
 )
 from ..runtime.guard import protect
-from ..runtime.sampling import Budget, EveryN, Full, Sampler, Screened, SiteKey, StepCosts, _Stateless, sampler_watches
+from ..runtime.sampling import Budget, EveryN, Full, Sampler, Screened, SiteKey, StepCosts, Stateless, sampler_watches
 from ..respond.snapshot import SnapshotStore
 from .toy_gpt import GPT, GPTConfig
 
@@ -92,7 +92,7 @@ def _one_dtype(text: str) -> torch.dtype:
     return dtypes[0]
 
 
-class Never(_Stateless):
+class Never(Stateless):
     """Verify nothing: what ``protect()`` costs before any verification (the dispatch mode
     seeing every op, site tracking, the step's bookkeeping)."""
 
