@@ -3,7 +3,7 @@
 Everything else about the package is in ``pyproject.toml``. The extension is plain C (it
 needs neither torch nor numpy to build, so pip's isolated build environment stays small)
 and ``optional``: without a C compiler the install still succeeds and ``sdc_guard`` uses
-its portable torch path (``sdc_guard.native.unavailable_reason()`` says why).
+its portable torch path (``sdc_guard.backends.native.unavailable_reason()`` says why).
 
 It is compiled with ``-march=native``: built on the machine that runs it, as an editable
 or source install is. For a wheel meant for other machines set

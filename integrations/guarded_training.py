@@ -20,13 +20,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from sdc_guard.guard import Guard, check_backend, current_step, set_current_step
+from sdc_guard.runtime.guard import Guard, check_backend, current_step, set_current_step
 from sdc_guard.metrics import GuardMetrics
-from sdc_guard.policy import Policy, SDCError, SDCExit, StepOutcome
-from sdc_guard.precision import check_e_max
-from sdc_guard.report import StepReport
-from sdc_guard.sampling import Full, Sampler, check_sampler
-from sdc_guard.snapshot import SnapshotStore, check_checkpoint_dir
+from sdc_guard.respond.policy import Policy, SDCError, SDCExit, StepOutcome
+from sdc_guard.core.precision import check_e_max
+from sdc_guard.runtime.report import StepReport
+from sdc_guard.runtime.sampling import Full, Sampler, check_sampler
+from sdc_guard.respond.snapshot import SnapshotStore, check_checkpoint_dir
 
 DEFAULT_METRICS_PORT = 9464
 #: Version of ``state_dict``'s layout (step, totals, classifications, responses, sampler,

@@ -40,8 +40,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from sdc_guard.integrations.guarded_training import DEFAULT_METRICS_PORT, GuardedTraining, replace_method
-from sdc_guard.policy import Policy
-from sdc_guard.sampling import Sampler
+from sdc_guard.respond.policy import Policy
+from sdc_guard.runtime.sampling import Sampler
 
 __all__ = ["DEFAULT_METRICS_PORT", "SDCGuard"]
 

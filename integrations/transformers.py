@@ -80,9 +80,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
         "pip install 'sdc-guard[transformers]'") from exc
 
 from sdc_guard.integrations.guarded_training import DEFAULT_METRICS_PORT, GuardedTraining, replace_method
-from sdc_guard.policy import Policy
-from sdc_guard.sampling import Sampler
-from sdc_guard.snapshot import SnapshotStore
+from sdc_guard.respond.policy import Policy
+from sdc_guard.runtime.sampling import Sampler
+from sdc_guard.respond.snapshot import SnapshotStore
 
 __all__ = ["DEFAULT_METRICS_PORT", "STATE_KEY", "SDCGuardCallback"]
 

@@ -1,6 +1,6 @@
 """The ``triton`` backend: the V-ABFT screen (docs/ALGORITHM.md) as one fused Triton kernel per verification.
 
-``triton_check(req)`` computes the same ``AbftCheck`` as ``sdc_guard.abft.vabft_check``
+``triton_check(req)`` computes the same ``AbftCheck`` as ``sdc_guard.core.abft.vabft_check``
 for ``c == alpha * a @ b + beta * bias``: ``diff`` (D), ``threshold`` (T), ``ok``,
 ``inputs_bad`` and ``possible_overflow``, every one ``[..., M, nseg]``.
 
@@ -81,16 +81,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sdc_guard.abft import AbftCheck, WeightSide, effective_e_max, num_segments
+from sdc_guard.core.abft import AbftCheck, WeightSide, effective_e_max, num_segments
 from sdc_guard.backends import GemmRequest
-from sdc_guard.batching import batch_strides, collapse_batch, contiguous_strides
+from sdc_guard.core.batching import batch_strides, collapse_batch, contiguous_strides
 from sdc_guard.kernels.vabft_weight import (
     TRITON_FLOAT_DTYPES,
     on_device,
     triton_weight_side,
     weight_rejects,
 )
-from sdc_guard.precision import (
+from sdc_guard.core.precision import (
     C_ROBUST,
     SEGMENT,
     SUPPORTED_DTYPES,

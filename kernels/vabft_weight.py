@@ -1,6 +1,6 @@
 """Weight-side V-ABFT encoding of ``B`` as Triton kernels, and the strided-batch helper.
 
-``triton_weight_side(b)`` computes exactly what ``sdc_guard.abft.weight_side`` defines
+``triton_weight_side(b)`` computes exactly what ``sdc_guard.core.abft.weight_side`` defines
 (docs/ALGORITHM.md, "Weight side"): ``Br[k, s]`` and ``Babs[k, s]``, the per-segment
 aggregates ``P1``, ``P2``, ``V`` of the per-(k, segment) mean and Bhatia-Davis extrema
 variance, the largest column 2-norm bound ``col_norm`` and the non-finite mask ``bad``, in
@@ -37,9 +37,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sdc_guard.abft import WeightSide, num_segments
-from sdc_guard.batching import collapse_batch
-from sdc_guard.precision import SEGMENT
+from sdc_guard.core.abft import WeightSide, num_segments
+from sdc_guard.core.batching import collapse_batch
+from sdc_guard.core.precision import SEGMENT
 
 #: Rows of B per tile of the partials kernel, and its warps: a ``[8, 256]`` tile is 8
 #: values per thread, 63-99 registers and no spills on sm_90 (read from the cubin); 16

@@ -8,13 +8,14 @@ True
 
 from __future__ import annotations
 
-from . import backends, legacy
-from . import sampling
-from .comp_row import decode_comp_row, encode_comp_row
-from .guard import Guard, protect
-from .report import Detection, StepReport
-from .inject import GemmFault, drill, flip_parameter_bit
-from .policy import (
+from . import backends
+from .core import legacy
+from .runtime import sampling
+from .core.comp_row import decode_comp_row, encode_comp_row
+from .runtime.guard import Guard, protect
+from .runtime.report import Detection, StepReport
+from .runtime.inject import GemmFault, drill, flip_parameter_bit
+from .respond.policy import (
     EXIT_NONDETERMINISTIC,
     EXIT_PERSISTENT,
     EXIT_TRANSIENT,
@@ -23,11 +24,37 @@ from .policy import (
     SDCExit,
     StepOutcome,
 )
-from .snapshot import SnapshotStore, load_checkpoint, save_checkpoint
-from .precision import default_e_max, set_default_e_max
-from .verify import Verdict, abft_verify, matmul_checksum, verify_matmul
+from .respond.snapshot import SnapshotStore, load_checkpoint, save_checkpoint
+from .core.precision import default_e_max, set_default_e_max
+from .core.verify import Verdict, abft_verify, matmul_checksum, verify_matmul
 
 __version__ = "0.1.0"
+
+# The modules' former public paths (before the subpackages): ``sdc_guard.sampling``,
+# ``sdc_guard.policy``, ... are the same module objects as their new homes, so that
+# ``from sdc_guard.sampling import Budget`` and ``import sdc_guard.toy_gpt`` keep working.
+_FORMER_PATHS = {
+    "guard": "runtime.guard",
+    "inject": "runtime.inject",
+    "sampling": "runtime.sampling",
+    "policy": "respond.policy",
+    "snapshot": "respond.snapshot",
+    "legacy": "core.legacy",
+    "toy_gpt": "tools.toy_gpt",
+}
+
+
+def _alias_former_paths() -> None:
+    import importlib
+    import sys
+
+    for old, new in _FORMER_PATHS.items():
+        module = importlib.import_module(f"{__name__}.{new}")
+        sys.modules[f"{__name__}.{old}"] = module
+        globals()[old] = module
+
+
+_alias_former_paths()
 
 
 def __getattr__(name: str):

@@ -79,9 +79,9 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app, push_to_gateway
 
-from . import distributed
-from .report import StepReport
-from .policy import ACTIONS, CLASSIFICATIONS, StepOutcome
+from .respond import distributed
+from .runtime.report import StepReport
+from .respond.policy import ACTIONS, CLASSIFICATIONS, StepOutcome
 
 #: Port of ``serve()`` for local rank 0; local rank ``r`` gets ``DEFAULT_PORT + r``.
 DEFAULT_PORT = 9464

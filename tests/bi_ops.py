@@ -11,7 +11,7 @@ import time
 import torch
 from torch import Tensor
 
-from sdc_guard.bi_collective import DistributedOp, reduce_scatter_rows, shard_matmul
+from sdc_guard.bi.collective import DistributedOp, reduce_scatter_rows, shard_matmul
 
 
 def noisy_op(x: Tensor, w: Tensor) -> Tensor:

@@ -33,7 +33,7 @@ def run(rank: int, world_size: int, port: int, scenario: str, out_dir: str) -> N
             faults = (sdc_guard.GemmFault(site="head", step=3, sticky=True),)
         sampler = None
         if scenario == "screened":  # the gradient screen; the fault on one rank reaches all through DDP
-            sampler = sdc_guard.sampling.Screened(warmup=2)
+            sampler = sdc_guard.runtime.sampling.Screened(warmup=2)
             if rank == 1:
                 faults = (sdc_guard.GemmFault(site="blocks.0.fc2", phase="backward", step=3, bit=30,
                                               element=(3, 5)),)

@@ -131,7 +131,7 @@ def structured_tokens(step: int, batch: int, ctx: int, vocab: int, seed: int = 0
     return seq
 
 
-def char_tokens(data: "sdc_guard.toy_gpt.CharData", step: int, batch: int, ctx: int) -> Tensor:
+def char_tokens(data: "sdc_guard.tools.toy_gpt.CharData", step: int, batch: int, ctx: int) -> Tensor:
     """``[batch, ctx + 1]`` windows of the package's character corpus."""
     x, y = data.batch(step, batch, ctx)
     return torch.cat([x, y[:, -1:]], dim=1)

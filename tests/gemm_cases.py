@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from sdc_guard.backends import GemmRequest
-from sdc_guard.precision import DEFAULT_E_MAX
+from sdc_guard.core.precision import DEFAULT_E_MAX
 
 
 def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """A stand-in ``torch_npu`` exposing ``_npu_matmul_abft_verify`` as the RFC documents it.
 
-Why: ``torch_npu`` needs Ascend hardware and CANN, so ``sdc_guard.npu`` could otherwise
+Why: ``torch_npu`` needs Ascend hardware and CANN, so ``sdc_guard.backends.npu`` could otherwise
 only be tested for its "unavailable" branch. This module follows the operator's contract
 (RFC section 3.5.2.1) including the parts a careless bridge trips over:
 
@@ -101,7 +101,7 @@ def check_contract(a: object, b: object, c: object, checksum_weight: object, e_m
 def pack_comp_row(ok: np.ndarray, garbage: np.ndarray) -> tuple[np.ndarray, int]:
     """Pack bool ``[M, nseg]`` into the operator's stream, padding bits from ``garbage``.
 
-    Written from the RFC's layout, independently of ``sdc_guard.abft.encode_comp_row``, so
+    Written from the RFC's layout, independently of ``sdc_guard.core.abft.encode_comp_row``, so
     that the bridge's decoder is checked against a second reading of the layout. Returns
     the stream and how many padding bits ended up 0.
     """

@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import sdc_guard  # noqa: E402
 from models import MLP  # noqa: E402
 from sdc_guard import GemmFault, Policy, SnapshotStore  # noqa: E402
-from sdc_guard.guard import Guard  # noqa: E402
-from sdc_guard.inject import FaultInjector  # noqa: E402
-from sdc_guard.sampling import Budget, EveryN, Full, Rate, Rotating  # noqa: E402
+from sdc_guard.runtime.guard import Guard  # noqa: E402
+from sdc_guard.runtime.inject import FaultInjector  # noqa: E402
+from sdc_guard.runtime.sampling import Budget, EveryN, Full, Rate, Rotating  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 

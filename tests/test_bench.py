@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from sdc_guard import cli, native
-from sdc_guard.bench_calibrate import recommend
-from sdc_guard.bench_common import parse_shape, table
-from sdc_guard.bench_detect import bit_field
+from sdc_guard.tools import cli
+from sdc_guard.backends import native
+from sdc_guard.tools.bench_calibrate import recommend
+from sdc_guard.tools.bench_common import parse_shape, table
+from sdc_guard.tools.bench_detect import bit_field
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,7 +60,7 @@ def test_overhead(tmp_path: Path) -> None:
 def test_overhead_default_shape_set() -> None:
     """The shape set of issue 8, and the MOE gate in fp32 only."""
     args = cli.build_parser().parse_args(["bench", "overhead"])
-    from sdc_guard.bench_overhead import cells
+    from sdc_guard.tools.bench_overhead import cells
 
     todo = cells(args)
     shapes = {(d, s) for d, _, s in todo}
@@ -86,7 +87,7 @@ def test_fp_exit_status_counts_a_failing_product(monkeypatch: pytest.MonkeyPatch
                                                  capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """A product that fails verification is counted (and the exit status says so): here
     the "clean" product is given a planted error, so every trial must count."""
-    from sdc_guard import bench_fp
+    from sdc_guard.tools import bench_fp
 
     def corrupted(a, b):
         c = a @ b
@@ -154,9 +155,9 @@ def test_calibrate_recommends_margin_over_measured_max(tmp_path: Path) -> None:
     # the measure itself: a product off by more than its fixed terms needs e_max = (D - F) / X,
     # at which its segment passes, and fails just below
     from sdc_guard.backends import GemmRequest
-    from sdc_guard.bench_calibrate import required_e_max
+    from sdc_guard.tools.bench_calibrate import required_e_max
     import torch
-    from sdc_guard.abft import vabft_check
+    from sdc_guard.core.abft import vabft_check
 
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(4, 64, generator=gen), torch.randn(64, 300, generator=gen)

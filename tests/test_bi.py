@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdc_guard import bi, cli
-from sdc_guard.bi_report import BIReport
-from sdc_guard.bi_suites import verify_suite
+from sdc_guard import bi
+from sdc_guard.tools import cli
+from sdc_guard.bi.report import BIReport
+from sdc_guard.bi.suites import verify_suite
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = Path(__file__).resolve().parent / "bi_ops.py"

@@ -1,6 +1,6 @@
 """The exact confirmation, the screens, the statistics mode, and what the one-call path skips.
 
-Every flag of the screen is settled by ``sdc_guard.confirm`` before anything acts on it:
+Every flag of the screen is settled by ``sdc_guard.core.confirm`` before anything acts on it:
 these tests drive the confirmation with every segment flagged (as a screen gone wrong
 would), on correctly computed products of structured operands, and check that it clears
 them all and still confirms a corruption of one element.
@@ -16,8 +16,8 @@ import torch
 import sdc_guard
 from sdc_guard import backends
 from sdc_guard.backends import GemmRequest, TorchBackend
-from sdc_guard.confirm import Accumulation, confirm, element_bounds, gamma
-from sdc_guard.precision import SCREENS, resolve_screen
+from sdc_guard.core.confirm import Accumulation, confirm, element_bounds, gamma
+from sdc_guard.core.precision import SCREENS, resolve_screen
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

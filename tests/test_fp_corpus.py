@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
 import fp_models as fm  # noqa: E402
-from sdc_guard.toy_gpt import GPT, CharData, GPTConfig, make_corpus  # noqa: E402
+from sdc_guard.tools.toy_gpt import GPT, CharData, GPTConfig, make_corpus  # noqa: E402
 
 pytestmark = pytest.mark.slow  # `pytest -m "not slow"` skips it: see CONTRIBUTING.md
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
 from fp_models import GemmRecorder, causal_attention_t, softmax_grad_rows, verify_on  # noqa: E402
-from sdc_guard.toy_gpt import GPT, CharData, GPTConfig, make_corpus  # noqa: E402
+from sdc_guard.tools.toy_gpt import GPT, CharData, GPTConfig, make_corpus  # noqa: E402
 
 BACKENDS = sdc_guard.backends.available()
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

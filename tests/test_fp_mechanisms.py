@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
 from fp_models import causal_attention_t, correctly_rounded, softmax_grad_rows, verify_on  # noqa: E402
-from sdc_guard.precision import SEGMENT  # noqa: E402
+from sdc_guard.core.precision import SEGMENT  # noqa: E402
 
 BACKENDS = sdc_guard.backends.available()
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import sdc_guard  # noqa: E402
 from lit_models import LitGPT  # noqa: E402
 from sdc_guard import GemmFault, Policy  # noqa: E402
-from sdc_guard.sampling import EveryN  # noqa: E402
+from sdc_guard.runtime.sampling import EveryN  # noqa: E402
 
 HERE = Path(__file__).parent
 
@@ -153,11 +153,11 @@ def test_load_state_dict_accepts_what_earlier_versions_wrote() -> None:
     assert callback.sampler.state_dict() == EveryN(3).state_dict() and callback.policy.persistent_steps == []
     model = torch.nn.Linear(2, 2)
     callback.start_guard(model, rank=0, trainer_step=4)
-    assert sdc_guard.guard.current_step(model) == 7  # the state's step
+    assert sdc_guard.runtime.guard.current_step(model) == 7  # the state's step
     callback.load_state_dict({})
     assert callback.totals == {"steps": 0, "gemms_verified": 0, "detections": 0}
     callback.start_guard(model, rank=0, trainer_step=4)
-    assert sdc_guard.guard.current_step(model) == 4  # no step in the state: the trainer's
+    assert sdc_guard.runtime.guard.current_step(model) == 4  # no step in the state: the trainer's
     state = callback.state_dict()
     assert state["version"] == 1 and json.loads(json.dumps(state)) == state
 
@@ -293,7 +293,7 @@ def test_ddp_two_processes_fault_on_one_rank(tmp_path: Path) -> None:
 
 
 def test_screened_sampler_reexecutes_a_tripped_step_and_weights_match_the_clean_run(tmp_path: Path) -> None:
-    from sdc_guard.sampling import Screened
+    from sdc_guard.runtime.sampling import Screened
 
     clean = LitGPT()
     fit(clean, sdc_guard.SDCGuard(metrics_port=None), tmp_path / "clean", steps=6)

@@ -30,7 +30,7 @@ import sdc_guard  # noqa: E402
 from respond_helpers import closure_for, make_model  # noqa: E402
 from sdc_guard import GemmFault, Policy  # noqa: E402
 from sdc_guard.metrics import DEFAULT_PORT, OTHER_SITE, GuardMetrics, default_port  # noqa: E402
-from sdc_guard.policy import ACTIONS, CLASSIFICATIONS  # noqa: E402
+from sdc_guard.respond.policy import ACTIONS, CLASSIFICATIONS  # noqa: E402
 
 #: The installed rules and dashboard (package data of sdc_guard.integrations).
 PROM_DIR = Path(str(importlib.resources.files("sdc_guard.integrations") / "prometheus"))

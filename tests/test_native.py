@@ -1,4 +1,4 @@
-"""The native ``cpu`` backend (``sdc_guard.native``, ``csrc/``) against the torch reference.
+"""The native ``cpu`` backend (``sdc_guard.backends.native``, ``csrc/``) against the torch reference.
 
 Agreement is the Triton kernel's contract (``kernels/vabft_triton.py``): identical verdict
 bits, T within ``THRESHOLD_RTOL`` relative, D within ``DIFF_TOL_OF_T * max(T, D)``. Then
@@ -18,11 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdc_guard import backends, native, verify
-from sdc_guard.abft import AbftCheck, WeightSide, weight_side
+from sdc_guard import backends
+from sdc_guard.backends import native
+from sdc_guard.core import verify
+from sdc_guard.core.abft import AbftCheck, WeightSide, weight_side
 from sdc_guard.backends import CpuBackend, GemmRequest, TorchBackend
-from sdc_guard.cache import WeightCache
-from sdc_guard.native_call import BufferWeightSide, weight_side_of
+from sdc_guard.runtime.cache import WeightCache
+from sdc_guard.backends.native_call import BufferWeightSide, weight_side_of
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gemm_cases import randn, request  # noqa: E402
@@ -527,7 +529,7 @@ def test_pthreads_fallback_same_bits(tmp_path: Path) -> None:
         "import sys, torch\n"
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from gemm_cases import randn, request\n"
-        "from sdc_guard import native\n"
+        "from sdc_guard.backends import native\n"
         "a, w = randn(300, 1024, seed=31), randn(700, 1024, seed=32)\n"
         "req = request(a, w.t(), a @ w.t(), weight=native.native_weight_side(w.t(), threads=3, force_threads=True))\n"
         "got = native.native_check(req, threads=3, force_threads=True)\n"
@@ -587,7 +589,7 @@ def test_flat_fast_path_builds_the_calls_arguments() -> None:
     """``flat_args`` (the clear check's shortcut for 2-D calls with a warm weight) gives
     exactly the arguments ``Call`` builds, for every dtype, layout and bias form it takes,
     and declines everything else (which ``Call`` and ``rejects`` then handle)."""
-    from sdc_guard.native_call import Call, flat_args
+    from sdc_guard.backends.native_call import Call, flat_args
 
     ext = native._load()
     taken = 0

@@ -150,9 +150,9 @@ def cases(seed: int, count: int) -> list[dict]:
 def results(case_file: str) -> list[dict]:
     import inspect
 
-    from sdc_guard import native
+    from sdc_guard.backends import native
     from sdc_guard.backends import GemmRequest
-    from sdc_guard.precision import DEFAULT_E_MAX
+    from sdc_guard.core.precision import DEFAULT_E_MAX
 
     # The row statistics of A (mean, max, min) leave the kernel only for a failed check,
     # as arguments of explain_failures: a check of C with an Inf in it hands them over.
@@ -206,7 +206,7 @@ def _main(argv: list[str]) -> None:
     if so_dir != "-":
         import importlib.util
 
-        from sdc_guard import native
+        from sdc_guard.backends import native
 
         path = next(Path(so_dir).glob("sdc_guard/_vabft_cpu*"))
         spec = importlib.util.spec_from_file_location("sdc_guard._vabft_cpu", path)
@@ -253,7 +253,7 @@ def _build_portable(tmp: Path) -> tuple[Path | None, str]:
 
 
 def test_isa_paths_match_portable_c(tmp_path: Path) -> None:
-    from sdc_guard import native
+    from sdc_guard.backends import native
 
     if not native.available():
         if os.environ.get("CI"):

@@ -1,4 +1,4 @@
-"""``sdc_guard.npu``: the bridge to ``torch_npu._npu_matmul_abft_verify``, through a stand-in.
+"""``sdc_guard.backends.npu``: the bridge to ``torch_npu._npu_matmul_abft_verify``, through a stand-in.
 
 ``tests/npu_standin.py`` plays ``torch_npu`` (installed in ``sys.modules`` per test) and
 follows the operator's documented contract, quirks included: it rejects what the real
@@ -22,7 +22,7 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).parent))
 
 import npu_standin  # noqa: E402
-from sdc_guard import native  # noqa: E402
+from sdc_guard.backends import native  # noqa: E402
 
 #: what serves a CPU call the operator does not take: the native kernels when built
 CPU_FALLBACK = "cpu" if native.available() else "torch"
@@ -30,9 +30,9 @@ from npu_standin import NpuOperator, make_module  # noqa: E402
 
 from sdc_guard import backends  # noqa: E402
 from sdc_guard.backends import ENV_BACKEND  # noqa: E402
-from sdc_guard.npu import NpuBackend  # noqa: E402
-from sdc_guard.verify import Verdict, abft_verify, matmul_checksum, verify_matmul  # noqa: E402
-from sdc_guard.precision import UNIT_ROUNDOFF  # noqa: E402
+from sdc_guard.backends.npu import NpuBackend  # noqa: E402
+from sdc_guard.core.verify import Verdict, abft_verify, matmul_checksum, verify_matmul  # noqa: E402
+from sdc_guard.core.precision import UNIT_ROUNDOFF  # noqa: E402
 
 PROBE_SHAPES = ((8, 16), (16, 256), (8, 256), (256,))
 FAILURE = "aclnnMatmulAbftVerify failed: ACL error 507015"

@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
 from models import MLP, TinyGPT, lm_batch  # noqa: E402
-from sdc_guard.abft import vabft_check  # noqa: E402
-from sdc_guard.sampling import Budget, EveryN, Full, Rate, Rotating  # noqa: E402
+from sdc_guard.core.abft import vabft_check  # noqa: E402
+from sdc_guard.runtime.sampling import Budget, EveryN, Full, Rate, Rotating  # noqa: E402
 
 
 def _turn_on_high_bit(out: torch.Tensor, index: tuple[int, ...]) -> None:
@@ -293,7 +293,7 @@ def test_weight_cache_hits_until_the_optimizer_updates_the_weight() -> None:
     w = model.fc1.weight
     a = torch.randn(5, 16)
     c = a @ w.t()
-    cache = sdc_guard.cache.WeightCache()
+    cache = sdc_guard.runtime.cache.WeightCache()
     cache.set_parameters([w])
     cached = vabft_check(a, w.t(), c, e_max=2e-5, weight=cache.get(w.t()))
     fresh = vabft_check(a, w.t(), c, e_max=2e-5)
@@ -302,7 +302,7 @@ def test_weight_cache_hits_until_the_optimizer_updates_the_weight() -> None:
 
 def test_cache_is_bounded_and_skips_non_parameters() -> None:
     params = [torch.nn.Parameter(torch.randn(256, 512)) for _ in range(4)]
-    cache = sdc_guard.cache.WeightCache(max_bytes=5000)  # an entry is ~2.1 kB
+    cache = sdc_guard.runtime.cache.WeightCache(max_bytes=5000)  # an entry is ~2.1 kB
     cache.set_parameters(params)
     for p in params:
         assert cache.get(p) is not None
@@ -526,7 +526,7 @@ def test_budget_charges_interception_and_recovers_from_a_slow_warm_up() -> None:
     """Driven by exact step costs (no clock): a sweep costs its verification plus the
     interception it adds, the long-run charge is the budget, and a base step time learned
     during a slow warm-up comes down although the next steps are all watched."""
-    from sdc_guard.sampling import StepCosts
+    from sdc_guard.runtime.sampling import StepCosts
 
     site = ("fc", "forward", "mm")
     base, verify, intercept = 0.100, 0.050, 0.020  # seconds: unguarded step, sweep, mode
@@ -553,7 +553,7 @@ def test_budget_charges_the_re_encoding_carried_into_the_step_after_a_sweep() ->
     next (unwatched) step's report as ``guard_seconds``. Budget must charge it and keep it
     out of its estimate of the unguarded step, so that the real overhead, re-encoding
     included, stays at the budget (exact costs, no clock)."""
-    from sdc_guard.sampling import StepCosts
+    from sdc_guard.runtime.sampling import StepCosts
 
     site = ("fc", "forward", "mm")
     base, verify, intercept, refresh = 0.100, 0.050, 0.020, 0.030
@@ -582,7 +582,7 @@ def test_budget_window_forces_a_sweep_when_a_site_would_go_stale() -> None:
     """``window`` makes coverage a promise: a sweep that costs 70 % of a step takes 14
     steps of a 5 % budget to earn; with ``window=5`` a sweep comes every 5 steps anyway
     (over budget, said by ``achieved_overhead``), and without it the gaps are the budget's."""
-    from sdc_guard.sampling import StepCosts
+    from sdc_guard.runtime.sampling import StepCosts
 
     sites = [("fc1", "forward", "mm"), ("fc2", "backward", "mm")]
     base, verify = 0.100, 0.070

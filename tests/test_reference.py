@@ -1,4 +1,4 @@
-"""The torch backend (``sdc_guard.abft.vabft_check``) computes VABFT.md: checked in float64.
+"""The torch backend (``sdc_guard.core.abft.vabft_check``) computes VABFT.md: checked in float64.
 
 ``tests/vabft_reference.py`` implements the specification a second time, in float64
 NumPy and without sdc_guard's code. The torch backend must agree with it:
@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from vabft_reference import SEGMENT, ReferenceCheck, as_f64, reference_check, segments  # noqa: E402
 
-from sdc_guard.abft import AbftCheck, vabft_check  # noqa: E402
-from sdc_guard.precision import element_floor  # noqa: E402
+from sdc_guard.core.abft import AbftCheck, vabft_check  # noqa: E402
+from sdc_guard.core.precision import element_floor  # noqa: E402
 
 T_RTOL = 1e-5
 D_RTOL = 1e-5

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import sdc_guard  # noqa: E402
 from respond_helpers import closure_for, make_model  # noqa: E402
 from sdc_guard import GemmFault, Policy, SnapshotStore  # noqa: E402
-from sdc_guard.snapshot import CHECKPOINT_PATTERN, host_label, remove_stale_temporaries  # noqa: E402
+from sdc_guard.respond.snapshot import CHECKPOINT_PATTERN, host_label, remove_stale_temporaries  # noqa: E402
 
 HERE = Path(__file__).parent
 NOBODY = 65534
@@ -402,8 +402,8 @@ def test_the_exit_code_survives_any_failure_of_the_exit_report(tmp_path: Path, c
 
 
 def test_exit_reports_are_strict_json(tmp_path: Path) -> None:
-    from sdc_guard.policy import StepOutcome, write_exit_report
-    from sdc_guard.report import Detection, StepReport
+    from sdc_guard.respond.policy import StepOutcome, write_exit_report
+    from sdc_guard.runtime.report import Detection, StepReport
 
     detections = [Detection(3, "fc1", "addmm", "forward", [0], [0], ratio, (4, 8, 8), "float32", 0)
                   for ratio in (float("inf"), float("nan"), float("-inf"), 2.5)]

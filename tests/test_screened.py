@@ -16,7 +16,7 @@ from models import MLP  # noqa: E402
 from respond_helpers import closure_for, make_model, params_of  # noqa: E402
 from sdc_guard import GemmFault  # noqa: E402
 from sdc_guard.metrics import GuardMetrics  # noqa: E402
-from sdc_guard.sampling import Budget, Screened  # noqa: E402
+from sdc_guard.runtime.sampling import Budget, Screened  # noqa: E402
 
 
 def screened_train(model: torch.nn.Module, steps: int, *, sampler: Screened | None = None, faults: tuple = (),
@@ -137,7 +137,7 @@ def test_legitimately_spiky_clean_step_is_a_screen_miss_and_changes_nothing() ->
     value = lambda name, **labels: registry.get_sample_value(name, {"rank": "0", **labels})  # noqa: E731
     assert value("sdc_guard_gradient_screen_trips_total") == value("sdc_guard_gradient_screen_misses_total") == 1
     assert value("sdc_guard_reexecutions_total") == 1 and value("sdc_guard_flagged_steps_total") == 0
-    assert all(value("sdc_guard_detections_total", classification=c) == 0 for c in sdc_guard.policy.CLASSIFICATIONS)
+    assert all(value("sdc_guard_detections_total", classification=c) == 0 for c in sdc_guard.respond.policy.CLASSIFICATIONS)
     assert value("sdc_guard_screen_misses_total") == 0  # the GEMM screen's own misses: another thing
 
 

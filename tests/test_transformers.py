@@ -17,7 +17,7 @@ import sdc_guard  # noqa: E402
 from hf_models import GEMMS_PER_STEP, Recorder, gpt2, params, train  # noqa: E402
 from sdc_guard import GemmFault, Policy  # noqa: E402
 from sdc_guard.integrations.transformers import STATE_KEY, SDCGuardCallback  # noqa: E402
-from sdc_guard.sampling import EveryN  # noqa: E402
+from sdc_guard.runtime.sampling import EveryN  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 ATTN = "transformer.h.0.attn.c_attn"
@@ -169,7 +169,7 @@ def test_resume_from_checkpoint_continues_the_callbacks_counters(tmp_path: Path)
 
 def test_screened_sampler_reexecutes_a_tripped_step_and_weights_match_the_clean_run(tmp_path: Path,
                                                                                      clean: dict) -> None:
-    from sdc_guard.sampling import Screened
+    from sdc_guard.runtime.sampling import Screened
 
     callback = SDCGuardCallback(metrics_port=None, sampler=Screened(warmup=2))
     fault = GemmFault(site="transformer.h.1.mlp.c_fc", phase="backward", step=3, bit=30, element=(1, 1))

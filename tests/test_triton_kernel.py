@@ -25,12 +25,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdc_guard import backends, verify
-from sdc_guard.abft import AbftCheck, encode_comp_row, weight_side
+from sdc_guard import backends
+from sdc_guard.core import verify
+from sdc_guard.core.abft import AbftCheck, encode_comp_row, weight_side
 from sdc_guard.backends import GemmRequest, TorchBackend, TritonBackend
 from sdc_guard.kernels import vabft_triton
 from sdc_guard.kernels.vabft_triton import DIFF_TOL_OF_T, SMALL_M, THRESHOLD_RTOL
-from sdc_guard.batching import collapse_batch
+from sdc_guard.core.batching import collapse_batch
 from sdc_guard.kernels.vabft_weight import triton_weight_side
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -336,7 +337,7 @@ def test_rejects_stale_cache_shape() -> None:
 
 def test_verify_matmul_end_to_end(monkeypatch: pytest.MonkeyPatch) -> None:
     """``verify_matmul(..., backend="triton")`` classifies with the kernel's masks."""
-    monkeypatch.setattr(backends, "_registry", [TRITON, TORCH])
+    monkeypatch.setattr(backends.registry, "_registry", [TRITON, TORCH])
     a, w = randn(M_DOT, K, dtype=torch.bfloat16, seed=48), randn(N, K, dtype=torch.bfloat16, seed=49)
     c = a @ w.t()
     assert verify.verify_matmul(a, w.t(), c, backend="triton").kind == "ok"

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import sdc_guard
-from sdc_guard import legacy, native
-from sdc_guard.abft import decode_comp_row, encode_comp_row, vabft_check
-from sdc_guard.precision import SEGMENT, default_e_max, set_default_e_max
+from sdc_guard.core import legacy
+from sdc_guard.backends import native
+from sdc_guard.core.abft import decode_comp_row, encode_comp_row, vabft_check
+from sdc_guard.core.precision import SEGMENT, default_e_max, set_default_e_max
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -387,7 +388,7 @@ def test_summary_of_a_clear_check_matches_the_full_reduction() -> None:
     import dataclasses
 
     from sdc_guard.backends import GemmRequest, get
-    from sdc_guard.ledger import SUMMARY, summarize
+    from sdc_guard.runtime.ledger import SUMMARY, summarize
 
     torch.manual_seed(0)
     a, b = torch.randn(37, 64), torch.randn(64, 600)

@@ -1,6 +1,6 @@
 """Independent float64 NumPy implementation of the V-ABFT screen (``docs/ALGORITHM.md``; 2-D only).
 
-Why it exists: ``sdc_guard.abft`` computes V-ABFT in fp32 PyTorch, and the NPU stand-in
+Why it exists: ``sdc_guard.core.abft`` computes V-ABFT in fp32 PyTorch, and the NPU stand-in
 needs the operator's math without PyTorch kernels. Writing the formulas a second time, in
 float64, straight from the specification and without importing ``sdc_guard``, gives the
 tests a yardstick whose own rounding is ~1e-16 relative, far below anything fp32 does.

@@ -1,0 +1,71 @@
+"""The backend interface: ``GemmRequest`` (one validated verification call) and ``Backend``
+(what every implementation provides; ``registry`` picks one per call)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..core.abft import AbftCheck, WeightSide, weight_side
+from ..runtime.ledger import clear_summary, summarize
+
+
+@dataclass(frozen=True)
+class GemmRequest:
+    """One validated verification call: ``c == alpha * a @ b + beta * bias``."""
+
+    a: Tensor
+    b: Tensor
+    c: Tensor
+    e_max: float
+    checksum_weight: Tensor | None = None
+    bias: Tensor | None = None
+    alpha: float = 1.0
+    beta: float = 1.0
+    weight: WeightSide | None = None  #: cached weight-side encoding of ``b``, if any
+    rounding: float = 1.0  #: share of C's worst-case rounding term in T (``precision.SCREENS``)
+
+    @property
+    def device(self) -> torch.device:
+        return self.c.device
+
+
+class Backend:
+    """A verification implementation. Subclasses override the three methods."""
+
+    name: str = "?"
+
+    def unavailable_reason(self) -> str | None:
+        """``None`` if this process can use the backend, else why not (one line)."""
+        return None
+
+    def rejects(self, req: GemmRequest) -> str | None:
+        """``None`` if the backend's contract covers ``req``, else why not (one line)."""
+        return None
+
+    def check(self, req: GemmRequest) -> AbftCheck:
+        """Verify ``req``; must not write to any input nor synchronise with the host."""
+        raise NotImplementedError
+
+    def encode(self, b: Tensor, checksum_weight: Tensor | None = None) -> WeightSide:
+        """The weight-side encoding of ``b`` that ``check`` reads fastest (``req.weight``);
+        any backend accepts any backend's encoding. Used by the weight cache on a miss."""
+        return weight_side(b, checksum_weight)
+
+    def clear_worst(self, req: GemmRequest) -> float | None:
+        """The worst ``D / T`` of ``req`` when the backend knows on the host, cheaply, that
+        its check came out clear (every segment passed, everything finite), else ``None``
+        (not clear, or not known without building the ``AbftCheck``)."""
+        return None
+
+    def summarize(self, req: GemmRequest, cached: bool = False) -> tuple[Tensor | None, Tensor | list[float]]:
+        """Screen ``req``, confirm its flags and keep what the guard keeps of it
+        (``ledger.summarize``): the confirmed-corruption mask (``None`` when clear) and the
+        summary. ``cached``: ``req.weight`` came from the weight cache. A clear check known
+        on the host (``clear_worst``) skips building its ``AbftCheck``."""
+        worst = self.clear_worst(req)
+        if worst is not None:
+            return None, clear_summary(worst)
+        return summarize(req, self.check(req), cached)

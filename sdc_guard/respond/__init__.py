@@ -1,0 +1,6 @@
+"""What happens on a confirmed detection: the response policy (``policy``), known-good
+snapshots and checkpoints (``snapshot``) and the lockstep of ranks (``distributed``).
+
+``sdc_guard.policy`` and ``sdc_guard.snapshot`` are these modules under their former
+names (``sdc_guard/__init__.py``).
+"""

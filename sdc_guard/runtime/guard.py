@@ -1,0 +1,725 @@
+"""``protect(model)``: verify the GEMMs of a training or inference step, report per step.
+
+Lifecycle: a ``Guard`` opens a step, the dispatch mode hands it every GEMM, the sampler
+says which to verify, verification leaves its flags on the device, and closing the step
+reads them all with one host synchronisation into a ``StepReport``. A step closes when a
+per-step ``with protect(model):`` block exits, or at each ``guard.step()`` of a long-lived
+block. Step numbers persist per model, so successive per-step blocks continue one
+schedule.
+
+A verification failure (a bug, a backend that rejects a call) is a monitoring failure: it
+warns once, counts the GEMM as unverified, and never stops training.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+import weakref
+from collections import deque
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
+
+from .. import backends
+from ..backends import Backend, GemmRequest
+from .cache import WeightCache
+from .intercept import Gemm, GemmInterceptor, SiteTracker, current_phase, module_hook_seconds, round_trip_seconds
+from ..core.precision import SUPPORTED_DTYPES, check_e_max, check_screen, resolve_screen
+from .ledger import Pending, StepLedger
+from .report import KindKey, StepReport
+from ..respond.policy import Policy, Responder, StepOutcome
+from .sampling import Full, GradientScreen, Sampler, SiteKey, check_sampler, sampler_screens, sampler_watches
+from ..respond.snapshot import SnapshotStore
+from .stats import ScreenStats
+
+#: Next step number per model, so per-step ``protect()`` blocks continue one schedule.
+_next_step: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+
+
+def current_step(model: nn.Module) -> int:
+    """The step number ``protect(model)`` is on (or opens next): the schedule's clock.
+
+    >>> current_step(torch.nn.Linear(2, 2))
+    0
+    """
+    return _next_step.get(model, 0)
+
+
+def set_current_step(model: nn.Module, step: int) -> None:
+    """Set the step number of ``model``'s schedule (a resumed run continues its count)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step: expected a non-negative int, got {step!r}")
+    _next_step[model] = step
+
+
+class MetricsSink(Protocol):
+    """Where reports and outcomes go (``sdc_guard.metrics.GuardMetrics``)."""
+
+    def observe_report(self, report: "StepReport") -> None: ...
+    def observe_outcome(self, outcome: StepOutcome) -> None: ...
+
+
+class Guard:
+    """Verifies the GEMMs of ``model``'s steps; see ``protect``.
+
+    Not constructed directly: ``with sdc_guard.protect(model) as guard: ...``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        sampler: Sampler | None = None,
+        e_max: float | None = None,
+        backend: str | None = None,
+        history: int = 100,
+        cache_bytes: int = 512 << 20,
+        rank: int | None = None,
+        policy: Policy | None = None,
+        snapshots: SnapshotStore | None = None,
+        metrics: MetricsSink | None = None,
+        stats: bool = False,
+        screen: str = "default",
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        self.screen = check_screen(screen)
+        if sampler is not None:
+            check_sampler(sampler)
+        if e_max is not None:
+            check_e_max(e_max)
+        check_backend(backend, model)
+        if isinstance(history, bool) or not isinstance(history, int) or history < 1:
+            raise ValueError(f"history: expected a positive int, got {history!r}")
+        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
+            raise ValueError(f"cache_bytes: expected a non-negative int (bytes; 0 disables the cache), "
+                             f"got {cache_bytes!r}")
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+            raise ValueError(f"rank: expected a non-negative int or None, got {rank!r}")
+        if policy is not None and not isinstance(policy, Policy):
+            raise TypeError(f"policy: expected a sdc_guard.Policy, got {type(policy).__name__}")
+        if snapshots is not None and not isinstance(snapshots, SnapshotStore):
+            raise TypeError(f"snapshots: expected a sdc_guard.SnapshotStore, got {type(snapshots).__name__}")
+        if not isinstance(stats, bool):
+            raise TypeError(f"stats: expected a bool, got {type(stats).__name__}")
+        #: per-site screen D/T statistics (``protect(stats=True)``), else ``None``
+        self.screen_stats: ScreenStats | None = ScreenStats() if stats else None
+        if metrics is not None:
+            check_metrics_sink(metrics)
+        self.model = model
+        self.policy = policy if policy is not None else Policy()
+        self.snapshots = snapshots
+        self.metrics = metrics
+        self.outcomes: deque[StepOutcome] = deque(maxlen=history)
+        self._responder: Responder | None = None
+        self._attempt = 0
+        self.sampler: Sampler = sampler if sampler is not None else Full()
+        self.e_max = e_max
+        self.backend = backend
+        self.cache = WeightCache(cache_bytes)
+        self.reports: deque[StepReport] = deque(maxlen=history)
+        self.rank = rank if rank is not None else _current_rank()
+        self._sites = SiteTracker(model)
+        self._mode: GemmInterceptor | None = None
+        self._active = False  #: interception asked for (activate/deactivate)
+        self._watching = True  #: the open step's GEMMs are to be seen (the sampler's call)
+        self._watched_last = False  #: the previous step was watched (its writes were observed)
+        self._paused = False  #: inside an optimizer step known to run no GEMM
+        self._optimizers = OptimizerSteps(self)
+        self._step_open = False
+        self._warned: set[str] = set()
+        self._backend_choice: dict[tuple, Backend] = {}
+        self._e_max_choice: dict[tuple, tuple[float, float]] = {}
+        self._ledger = StepLedger()
+        self._carry = 0.0  #: guard seconds spent while no step was open, for the next report
+        self._gradient_screen: GradientScreen | None = None  #: the open step's, for its report
+        self._provisional = False  #: the open step was opened in advance (``begin_step``)
+        self._screen_tried = False  #: optimizer_step screened (or tried to) the open step
+
+    # --- step lifecycle ------------------------------------------------------------------
+
+    @property
+    def step_index(self) -> int:
+        """Number of the step now open (or next to open)."""
+        return current_step(self.model)
+
+    @property
+    def last_report(self) -> StepReport | None:
+        """The report of the last closed step."""
+        return self.reports[-1] if self.reports else None
+
+    def begin_step(self, *, rerun: bool = False, provisional: bool = False) -> None:
+        """Open the next step, or (``rerun``) a re-execution of the step just closed.
+
+        ``provisional``: opened in advance by ``optimizer_step`` for whatever comes next;
+        if the ``protect()`` block exits with it unwatched (nothing to tell whether
+        anything ran in it), it is dropped instead of being reported as a step.
+
+        A re-execution keeps the step number, counts as the next ``attempt`` and verifies
+        every GEMM whatever the sampler says: triage must see what the first run saw. A
+        step the sampler does not watch (``EveryN`` between its steps, ``Budget`` between
+        sweeps) runs without the dispatch mode: it costs nothing and reports no GEMMs.
+        """
+        if self._step_open:
+            raise RuntimeError("begin_step(): a step is already open; call end_step() first")
+        started = time.perf_counter()
+        self._ledger = StepLedger(carried_seconds=self._carry)
+        self._carry = 0.0
+        self._gradient_screen = None
+        self._screen_tried = False
+        self._provisional = provisional
+        if rerun:
+            last = self.last_report
+            if last is None:
+                raise RuntimeError("begin_step(rerun=True): no step has been closed yet")
+            _next_step[self.model] = last.step
+            self._attempt = last.attempt + 1
+        else:
+            self._attempt = 0
+            self.sampler.begin_step(self.step_index)
+        self._watching = rerun or sampler_watches(self.sampler)
+        self._optimizers.reset()
+        if self._watching:
+            if not rerun or not self._watched_last:
+                # a re-execution of an unwatched step (a tripped gradient screen) starts
+                # cold too: the encodings are from the last watched step, maybe long ago
+                self.cache.set_parameters(self.model.parameters())
+                if not self._watched_last:  # writes in unwatched steps went unobserved
+                    self.cache.invalidate()
+            self._sites.start()
+        self._watched_last = self._watching
+        self._step_open = True
+        self._sync_mode()
+        self._ledger.hook_seconds += time.perf_counter() - started
+
+    def charge(self, seconds: float) -> None:
+        """Count ``seconds`` of guard work done outside its hooks (the responder's
+        bookkeeping, re-encoding updated weights, snapshots) in the guard's cost: to the
+        open step, or, between steps, to the next one's report."""
+        if self._step_open:
+            self._ledger.hook_seconds += seconds
+        else:
+            self._carry += seconds
+
+    def end_step(self) -> StepReport:
+        """Close the open step: read its flags (one host sync) and report it."""
+        report = self._close_step(keep_empty=True)
+        assert report is not None
+        return report
+
+    def _close_step(self, *, keep_empty: bool) -> StepReport | None:
+        if not self._step_open:
+            raise RuntimeError("end_step(): no step is open (use it inside the protect() block)")
+        self._sites.stop()
+        self._step_open = False
+        if self._mode is not None:  # the step's ops so far; the mode goes on for the next step
+            self._ledger.ops += self._mode.ops
+            self._mode.ops = 0
+        self._ledger.module_calls += self._sites.calls
+        self._sites.calls = 0
+        round_trip = round_trip_seconds() if self._ledger.ops else 0.0
+        module_hook = module_hook_seconds() if self._ledger.module_calls else 0.0
+        if not keep_empty and self._watching and self._ledger.seen == 0 and not self._ledger.unverified:
+            # a block that ran no GEMM (an unwatched step is still a step): what the guard
+            # spent in it goes to the next report
+            self._carry += self._ledger.guard_seconds(round_trip, module_hook)
+            return None
+        if not keep_empty and self._provisional and not self._watching:
+            # the step optimizer_step opened after the block's last one
+            self._carry += self._ledger.guard_seconds(round_trip, module_hook)
+            return None
+        report = self._ledger.report(self.step_index, self._attempt, self.rank, watched=self._watching,
+                                     stats=self.screen_stats, round_trip=round_trip, module_hook=module_hook)
+        screened = self._gradient_screen
+        if not self._screen_tried and report.attempt == 0 and self.screens_gradients:
+            self._warn_once("unscreened", "sdc_guard: the sampler screens gradients, but only "
+                            "guard.optimizer_step(optimizer, closure) runs the screen; steps closed by "
+                            "guard.step() or a protect() block are not screened (only the sampler's "
+                            "background verifies anything)")
+        if screened is not None and report.attempt == 0:
+            report.gradient_screened = True
+            report.gradient_screen_tripped = screened.tripped
+            report.gradient_ratio = screened.worst_ratio
+            report.gradient_total_ratio = screened.total_ratio
+            report.nonfinite_grads = screened.nonfinite
+        self.reports.append(report)
+        self._publish("observe_report", report)
+        if report.attempt == 0:
+            self.sampler.end_step(self._ledger.costs(report))
+        _next_step[self.model] = report.step + 1
+        return report
+
+    def step(self) -> StepReport:
+        """Close the current step (report it) and open the next one.
+
+        >>> model = torch.nn.Linear(4, 3)
+        >>> with protect(model) as guard:
+        ...     model(torch.randn(2, 4)).sum().backward()
+        ...     report = guard.step()
+        >>> report.seen, report.verified, report.flagged
+        (2, 2, 0)
+        """
+        report = self.end_step()
+        self.begin_step()
+        return report
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None,
+                       *, step_fn: Callable[[], Any] | None = None, replay: bool = False,
+                       loss: Any = None) -> StepOutcome:
+        """Run ``closure`` (zero_grad, forward, backward; returns the loss) as one guarded
+        step, respond to any detection per the policy, then step ``optimizer`` unless the
+        response says not to. Closes the step (no ``guard.step()`` needed). GEMMs that ran
+        in the step before ``closure`` (earlier micro-batches of gradient accumulation) are
+        verified too, but cannot be re-executed: a detection there is answered by ``skip``
+        instead of ``recompute``; so is one with ``closure=None``. ``step_fn`` replaces
+        ``optimizer.step`` (for integrations that patch it). ``replay=True`` says the
+        step's forward and backward already ran and gave ``loss``: ``closure`` is then
+        called only to re-execute, and re-runs the whole step itself, restoring the RNG
+        state and gradients it starts from (the Hugging Face callback's case).
+
+        >>> model = torch.nn.Linear(4, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> def closure():
+        ...     opt.zero_grad(); loss = model(torch.ones(2, 4)).sum(); loss.backward(); return loss
+        >>> with protect(model) as guard:
+        ...     outcome = guard.optimizer_step(opt, closure)
+        >>> outcome.stepped, outcome.classification
+        (True, None)
+        """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if closure is not None and not callable(closure):
+            raise TypeError(f"closure: expected a callable or None, got {type(closure).__name__}")
+        if self._responder is None or self._responder.optimizer is not optimizer:
+            self._responder = Responder(self, optimizer, self.policy, self.snapshots, step_fn)
+            self.snapshots = self._responder.snapshots
+        return self._responder.run(closure, replay=replay, loss=loss)
+
+    @property
+    def screens_gradients(self) -> bool:
+        """Whether the sampler screens gradients (``sampling.Screened``): then
+        ``optimizer_step`` screens each step and re-executes, verified, a tripped one."""
+        return sampler_screens(self.sampler)
+
+    def screen_gradients(self, params: list[Tensor]) -> GradientScreen | None:
+        """Screen the gradients of ``params`` for the open step (``None`` if the sampler
+        does not screen); the result goes into the step's report. Called by
+        ``optimizer_step`` between the backward and the optimizer step."""
+        if not self.screens_gradients:
+            return None
+        if not self._step_open:
+            raise RuntimeError("screen_gradients(): no step is open (call it before the step closes)")
+        grads = [p.grad for p in params if p.grad is not None]
+        started = time.perf_counter()
+        self._screen_tried = True
+        try:
+            screened = self.sampler.screen_gradients(grads)  # type: ignore[attr-defined]
+        except Exception as exc:  # a monitoring failure never stops training: the step goes unscreened
+            self._warn_once(f"screen:{type(exc).__name__}", f"sdc_guard: could not screen the gradients "
+                            f"({type(exc).__name__}: {exc}); this step is not screened")
+            return None
+        finally:
+            self._ledger.hook_seconds += time.perf_counter() - started
+        self._gradient_screen = screened
+        return screened
+
+    def resolve_screen(self, verdict: str, params: list[Tensor] | None = None) -> None:
+        """Tell the screening sampler how its trip was resolved (``Screened.resolve_screen``)."""
+        if self.screens_gradients:
+            grads = None if params is None else [p.grad for p in params if p.grad is not None]
+            self.sampler.resolve_screen(verdict, grads)  # type: ignore[attr-defined]
+
+    @property
+    def step_open(self) -> bool:
+        """Whether a step is open (GEMMs seen now are accounted to it)."""
+        return self._step_open
+
+    @property
+    def gemms_seen(self) -> int:
+        """GEMMs seen so far in the open step."""
+        return self._ledger.seen
+
+    def activate(self) -> None:
+        """Start intercepting GEMMs (the step lifecycle is separate)."""
+        if self._active:
+            raise RuntimeError("this Guard is already active")
+        self._active = True
+        self.cache.invalidate()  # whatever was written while inactive went unobserved
+        self._optimizers.install()
+        self._sync_mode()
+
+    def deactivate(self) -> None:
+        """Stop intercepting; an open step stays open."""
+        self._active = False
+        self._optimizers.remove()
+        self._sync_mode()
+
+    @property
+    def intercepting(self) -> bool:
+        """Whether the dispatch mode is on now (active, and the step is watched)."""
+        return self._mode is not None
+
+    def _sync_mode(self) -> None:
+        """Enter the dispatch mode when active and watching, leave it otherwise.
+
+        Mode stacks are last-in first-out: if another mode was entered above ours (a
+        profiler inside ``protect()``), an unwatched step keeps ours in place rather than
+        pop the wrong one, and ``on_gemm`` ignores what it sees.
+        """
+        wanted = self._active and self._watching and not self._paused
+        if wanted and self._mode is None:
+            self._mode = GemmInterceptor(self)
+            self._mode.__enter__()
+        elif not wanted and self._mode is not None and (
+                not self._active or _get_current_dispatch_mode() is self._mode):
+            self._mode.__exit__(None, None, None)
+            self._ledger.ops += self._mode.ops
+            self._mode = None
+
+    def __enter__(self) -> "Guard":
+        if not self._step_open:
+            self.begin_step()
+        self.activate()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.deactivate()
+        if self._step_open:
+            self._close_step(keep_empty=False)
+
+    # --- per GEMM --------------------------------------------------------------------------
+
+    def on_unverified(self, op: str) -> None:
+        """Count a GEMM-bearing op that cannot be verified."""
+        self._ledger.unverifiable(op)
+
+    def on_write(self, tensors: list[Tensor]) -> None:
+        """Called by the dispatch mode with the tensors an op wrote: a parameter written by
+        the program needs its cached encoding remade (``sdc_guard.runtime.cache``)."""
+        started = time.perf_counter()
+        try:
+            self._note_writes(tensors)
+        finally:
+            self._ledger.hook_seconds += time.perf_counter() - started
+
+    def _note_writes(self, tensors: list[Tensor]) -> None:
+        cache = self.cache
+        stale = []
+        for t in tensors:
+            try:
+                ptr = t.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):  # a tensor without a storage of its own
+                continue
+            if cache.holds(ptr):
+                stale.append(ptr)
+        if stale:
+            cache.invalidate(stale)
+
+    @property
+    def watching(self) -> bool:
+        """Whether the open (or last closed) step is watched by the sampler."""
+        return self._watching
+
+    def refresh_weights(self, params: list[Tensor] | None = None) -> None:
+        """Make the cached weights of ``params`` (all with ``None``) stale and, in a
+        watched step, re-encode them now, while their value is known good: right after an
+        optimizer step wrote them. After an unwatched step nothing is re-encoded: the next
+        watched step starts from fresh encodings anyway (``begin_step``), so the work would
+        be thrown away, and unwatched steps are meant to cost nothing."""
+        started = time.perf_counter()
+        if params is not None:
+            self.cache.invalidate(p.untyped_storage().data_ptr() for p in params)
+        if self._watching:
+            if torch._C._len_torch_dispatch_stack() == 0:
+                self.cache.refresh()
+            else:
+                with _disable_current_modes():  # the encoding's own ops are not the model's
+                    self.cache.refresh()
+        self.charge(time.perf_counter() - started)  # a cost of the guard, often between steps
+
+    def on_gemm(self, gemm: Gemm) -> None:
+        """Called by the dispatch mode for every GEMM: sample, verify, keep flags on device."""
+        if not self._watching:
+            return
+        started = time.perf_counter()
+        try:
+            self._on_gemm(gemm)
+        finally:
+            self._ledger.hook_seconds += time.perf_counter() - started
+
+    def _on_gemm(self, gemm: Gemm) -> None:
+        phase = current_phase()
+        kind: KindKey = (gemm.op, phase, str(gemm.a.dtype).removeprefix("torch."))
+        call_index = self._ledger.see(kind)
+        if not _verifiable(gemm):
+            self.on_unverified(f"{gemm.op}[{kind[2]}]")
+            return
+        site: SiteKey = (self._sites.site(gemm.out, (gemm.a, gemm.b)), phase, gemm.op)
+        self._ledger.sites_seen.add(site)
+        if self._attempt == 0 and not self.sampler.should_verify(site):
+            return
+        device = gemm.out.device
+        started = self._ledger.clock.start(device)
+        try:
+            if torch._C._len_torch_dispatch_stack() == 0:  # ours is off while its handler runs
+                sdc, summary = self._verify(gemm)
+            else:
+                with _disable_current_modes():  # modes below ours (a drill, a profiler) too
+                    sdc, summary = self._verify(gemm)
+        except Exception as exc:  # a monitoring failure never stops training
+            self._warn_once(f"verify:{type(exc).__name__}", f"sdc_guard: could not verify a {gemm.op} "
+                            f"GEMM ({type(exc).__name__}: {exc}); counting it as unverified")
+            self.on_unverified(gemm.op)
+            return
+        elapsed = self._ledger.clock.stop(device, started)
+        shape = (*gemm.out.shape[:-2], gemm.a.shape[-2], gemm.a.shape[-1], gemm.b.shape[-1])
+        self._ledger.record(Pending(site, kind, call_index, shape, gemm.a.dtype, sdc, summary), elapsed)
+
+    def _verify(self, gemm: Gemm) -> tuple[Tensor | None, Tensor | list[float]]:
+        key = (gemm.a.device, gemm.a.dtype)
+        choice = self._e_max_choice.get(key)
+        if choice is None:
+            choice = self._e_max_choice[key] = resolve_screen(self.screen, self.e_max, gemm.a.dtype, gemm.a.device)
+        e_max, rounding = choice
+        backend = self._choose_backend(gemm, e_max)
+        # the operator re-reads B itself; the others take the cached encoding
+        weight = self.cache.get(gemm.b, encode=backend.encode) if backend.name != "npu" else None
+        req = GemmRequest(gemm.a, gemm.b, gemm.out, e_max, bias=gemm.bias, alpha=gemm.alpha, beta=gemm.beta,
+                          weight=weight, rounding=rounding)
+        return backend.summarize(req, cached=weight is not None)
+
+    def _choose_backend(self, gemm: Gemm, e_max: float) -> Backend:
+        """The backend for GEMMs like this one, chosen once per kind of call: device,
+        dtype, dims, bias and alpha (what the NPU operator's contract depends on). The
+        Triton and native kernels also depend on strides; a call of theirs that their
+        ``rejects`` would refuse goes to the torch path inside their ``check``."""
+        a = gemm.a
+        key = (a.device, a.dtype, a.dim(), gemm.b.dim(), gemm.bias is not None, gemm.alpha == 1.0)
+        chosen = self._backend_choice.get(key)
+        if chosen is None:
+            req = GemmRequest(a, gemm.b, gemm.out, e_max, bias=gemm.bias, alpha=gemm.alpha, beta=gemm.beta)
+            chosen = self._backend_choice[key] = backends.select(req, self.backend)
+        return chosen
+
+    def _publish(self, method: str, item: Any) -> None:
+        """Hand a report or outcome to the metrics sink; a failure there warns once per
+        sink in total, across the per-step ``protect()`` blocks that share it."""
+        if self.metrics is None:
+            return
+        try:
+            getattr(self.metrics, method)(item)
+        except Exception as exc:  # monitoring never stops training
+            self._warn_once("metrics", f"sdc_guard: metrics {method} failed ({type(exc).__name__}: "
+                            f"{exc}); training continues (further failures of this sink are not reported)",
+                            owner=self.metrics)
+
+    def _warn_once(self, key: str, message: str, *, owner: Any = None) -> None:
+        """Warn once per ``key`` and ``owner`` (default: the model): the state lives with
+        the owner, not with this guard, since the documented per-step pattern makes a new
+        guard every step."""
+        warned = _warnings_of(self.model if owner is None else owner)
+        if warned is None:  # an owner that cannot be weakly referenced: this guard's own
+            warned = self._warned
+        if key not in warned:
+            warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+    # --- end of step ---------------------------------------------------------------------
+
+
+class OptimizerSteps:
+    """Leaves optimizer steps that run no GEMM outside the dispatch mode.
+
+    An SGD or Adam step is elementwise arithmetic over every parameter: on a small model,
+    half of a training step's aten ops, each paying the dispatch mode's Python round trip
+    with nothing to verify. Each optimizer's first watched step is intercepted as usual
+    and its GEMMs counted; one that ran none is from then on stepped with the mode off. One
+    that ran GEMMs (Shampoo, Muon, LBFGS evaluating its closure) stays verified. Global
+    optimizer-step hooks, installed only while the guard is active.
+    """
+
+    def __init__(self, guard: "Guard") -> None:
+        self.guard = guard
+        self._gemmless: weakref.WeakSet = weakref.WeakSet()
+        self._learned: weakref.WeakSet = weakref.WeakSet()
+        self._seen_before: dict[int, int] = {}
+        #: step calls in progress per optimizer: a subclass's step calling its base class's
+        #: step runs the hooks twice, and only the outer call is the optimizer step
+        self._depth: dict[int, int] = {}
+        self._handles: list[Any] = []
+
+    def install(self) -> None:
+        if not self._handles:
+            self._handles = [register_optimizer_step_pre_hook(self._pre),
+                             register_optimizer_step_post_hook(self._post)]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def reset(self) -> None:
+        """Forget steps in progress: an optimizer step that raised never ran its post-hook."""
+        self._depth.clear()
+        self._seen_before.clear()
+        self.guard._paused = False
+
+    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        depth = self._depth.get(id(optimizer), 0)
+        self._depth[id(optimizer)] = depth + 1
+        if depth:
+            return
+        guard = self.guard
+        if optimizer in self._gemmless:
+            guard._paused = True
+            guard._sync_mode()
+        elif optimizer not in self._learned and guard.intercepting and guard.step_open:
+            self._seen_before[id(optimizer)] = guard.gemms_seen
+
+    def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        depth = self._depth.pop(id(optimizer), 1) - 1
+        if depth:
+            self._depth[id(optimizer)] = depth
+            return
+        guard = self.guard
+        # foreach and fused optimizers write parameters without bumping their versions
+        guard.refresh_weights([p for group in optimizer.param_groups for p in group["params"]])
+        if guard._paused:
+            guard._paused = False
+            guard._sync_mode()
+            return
+        before = self._seen_before.pop(id(optimizer), None)
+        if before is not None and guard.step_open:
+            self._learned.add(optimizer)
+            if guard.gemms_seen == before:
+                self._gemmless.add(optimizer)
+
+
+def _verifiable(gemm: Gemm) -> bool:
+    a, b, out = gemm.a, gemm.b, gemm.out
+    return (
+        a.dtype in SUPPORTED_DTYPES and b.dtype == a.dtype and out.dtype in SUPPORTED_DTYPES
+        and a.dim() >= 2 and b.dim() >= 2 and out.dim() >= 2
+        and (gemm.bias is None or gemm.bias.is_floating_point())
+    )
+
+
+#: Warning keys already given, per owner (a metrics sink, a model), by ``id`` with a weak
+#: reference, so that sinks that are not hashable (dataclasses) are served too.
+_warned_by_owner: dict[int, tuple["weakref.ref[Any]", set[str]]] = {}
+
+
+def _warnings_of(owner: Any) -> set[str] | None:
+    """The set of warnings already given for ``owner`` (``None``: not weakly referenceable)."""
+    key = id(owner)
+    entry = _warned_by_owner.get(key)
+    if entry is not None and entry[0]() is owner:
+        return entry[1]
+    try:
+        ref = weakref.ref(owner, lambda _: _warned_by_owner.pop(key, None))
+    except TypeError:
+        return None
+    _warned_by_owner[key] = (ref, set())
+    return _warned_by_owner[key][1]
+
+
+METRICS_SINK_METHODS = ("observe_report", "observe_outcome")
+
+
+def check_metrics_sink(metrics: Any, name: str = "metrics") -> None:
+    """Raise ``TypeError`` naming ``name`` unless ``metrics`` is a sink object: one with
+    ``observe_report`` and ``observe_outcome`` (``sdc_guard.metrics.GuardMetrics``).
+
+    >>> check_metrics_sink("prometheus")
+    Traceback (most recent call last):
+    ...
+    TypeError: metrics: expected a metrics sink (an object with observe_report and observe_outcome, such as sdc_guard.metrics.GuardMetrics()), got str 'prometheus'
+    """
+    if isinstance(metrics, type) or not all(callable(getattr(metrics, m, None)) for m in METRICS_SINK_METHODS):
+        what = f"the class {metrics.__name__} (pass an instance)" if isinstance(metrics, type) else \
+            f"{type(metrics).__name__} {metrics!r}"
+        raise TypeError(f"{name}: expected a metrics sink (an object with {' and '.join(METRICS_SINK_METHODS)}, "
+                        f"such as sdc_guard.metrics.GuardMetrics()), got {what}")
+
+
+def check_backend(backend: Any, model: nn.Module | None = None, name: str = "backend") -> None:
+    """Raise ``ValueError`` unless the forced backend (``backend``, else
+    ``$SDC_GUARD_BACKEND``) exists, is usable in this process and, given ``model``,
+    accepts GEMMs on the devices and dtypes of its parameters: a forced backend that
+    cannot serve the tensors it will see is an error before training, not a warning per
+    GEMM during it. ``None`` with no variable set (the dispatcher chooses) always passes.
+
+    >>> check_backend("torch", torch.nn.Linear(2, 2))
+    """
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"{name}: expected a backend name ({', '.join(backends.registered())}) or None, "
+                        f"got {type(backend).__name__} {backend!r}")
+    source, value = (name, backend) if backend is not None else (backends.ENV_BACKEND, os.environ.get(backends.ENV_BACKEND))
+    if not value:
+        return
+    if value not in backends.registered():
+        raise ValueError(f"{source}: expected one of {', '.join(map(repr, backends.registered()))}, got {value!r}")
+    chosen = backends.get(value)
+    reason = chosen.unavailable_reason()
+    if reason is not None:
+        raise ValueError(f"{source}: expected a backend usable in this process, got {value!r}, which is not: {reason}")
+    kinds = {(p.device, p.dtype) for p in (model.parameters() if model is not None else ())
+             if p.dtype in SUPPORTED_DTYPES and p.device.type != "meta"}
+    for device, dtype in sorted(kinds, key=str):
+        probe = torch.empty((2, 2), dtype=dtype, device=device)
+        reason = chosen.rejects(GemmRequest(probe, probe, probe, 1e-3))
+        if reason is not None:
+            raise ValueError(f"{source}: expected a backend that can verify the model's GEMMs ({dtype} on {device}), "
+                             f"got {value!r}, which cannot: {reason}")
+
+
+def _current_rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def protect(
+    model: nn.Module,
+    *,
+    sampler: Sampler | None = None,
+    e_max: float | None = None,
+    backend: str | None = None,
+    policy: Policy | None = None,
+    snapshots: SnapshotStore | None = None,
+    metrics: MetricsSink | None = None,
+    history: int = 100,
+    cache_bytes: int = 512 << 20,
+    stats: bool = False,
+    screen: str = "default",
+) -> Guard:
+    """Verify the GEMMs ``model`` runs inside the block, forward and backward.
+
+    Use one block per step (the report is ``guard.last_report`` after the block), or one
+    long-lived block with ``guard.step()`` at each step boundary, or
+    ``guard.optimizer_step(optimizer, closure)`` to have detections answered before the
+    optimizer sees corrupted gradients. ``sampler`` decides which GEMMs to verify
+    (default ``Full()``); ``e_max`` and ``backend`` are as in ``verify_matmul``;
+    ``policy`` says how to respond (default ``Policy()``: recompute, then roll back, then
+    exit); ``snapshots`` holds the known-good state rollback returns to (default: one
+    in memory every 50 steps). Pass the same sampler, policy and snapshot store to
+    successive per-step blocks so that their state carries over; ``metrics`` receives
+    every report and outcome (``sdc_guard.metrics.GuardMetrics`` exports them to
+    Prometheus); ``cache_bytes`` bounds the weight-side cache; ``stats=True`` records the
+    screen's D/T per site over the run in ``guard.screen_stats`` (``sdc_guard.runtime.stats``: how
+    far the threshold sits from this model's data); ``screen`` chooses the screen's
+    threshold, ``"default"`` or ``"tight"`` (``sdc_guard.core.precision.SCREENS``: the tight one
+    sees smaller errors and suspects more clean products, each cleared exactly).
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    >>> with protect(model) as guard:
+    ...     model(torch.randn(5, 8)).sum().backward()
+    >>> r = guard.last_report; (r.seen, r.verified, r.flagged)
+    (5, 5, 0)
+    """
+    return Guard(model, sampler=sampler, e_max=e_max, backend=backend, history=history,
+                 cache_bytes=cache_bytes, policy=policy, snapshots=snapshots, metrics=metrics, stats=stats,
+                 screen=screen)

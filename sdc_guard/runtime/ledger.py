@@ -1,0 +1,237 @@
+"""The accounts of the open step: GEMMs seen, checks pending on the device, timing.
+
+``Guard`` records into a ``StepLedger`` per GEMM (no host synchronisation: flags stay on
+the device as small tensors) and turns it into a ``StepReport`` when the step closes,
+reading every pending summary in one transfer per device.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..core.abft import AbftCheck
+from ..core.confirm import candidates, confirm
+from ..core.precision import SEGMENT
+from .report import Detection, GemmCounts, KindKey, StepReport
+from .sampling import SiteKey, StepCosts
+from .stats import ScreenStats
+
+
+@dataclass
+class Pending:
+    """A verified GEMM whose flags still sit on the device."""
+
+    site: SiteKey
+    kind: KindKey
+    call_index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sdc: Tensor | None  #: bool [..., M, nseg], confirmed corruption; None for a clear check
+    #: ``SUMMARY`` numbers: fp32 on the device, or already on the host (a clear CPU check)
+    summary: Tensor | list[float]
+
+    @property
+    def segments(self) -> int:
+        """(row, segment)s the screen checked."""
+        *batch, m, _, n = self.shape
+        count = m * -(-n // SEGMENT)
+        for size in batch:
+            count *= size
+        return count
+
+
+#: What ``summarize`` keeps of a check, in order: any confirmed corruption, worst D/T, any
+#: legitimate overflow, any unverifiable failure, the screen's unconfirmed flags (misses),
+#: any corruption of the GEMM itself (not only of a weight at rest)
+SUMMARY = ("corrupted", "worst", "overflow", "unverifiable", "misses", "gemm")
+#: the summary of a clear check with worst ratio ``w``
+def clear_summary(worst: float) -> list[float]:
+    return [0.0, worst, 0.0, 0.0, 0.0, 0.0]
+
+
+class Clock:
+    """Verification time: wall clock on CPU, CUDA events (read once per step) on GPU."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._events: list[tuple[Any, Any]] = []
+
+    def start(self, device: torch.device) -> Any:
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, device: torch.device, started: Any) -> float:
+        """Add the elapsed time; returns it where known now (CPU), else 0."""
+        if device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((started, end))
+            return 0.0
+        elapsed = time.perf_counter() - started
+        self.seconds += elapsed
+        return elapsed
+
+    def total(self) -> float:
+        """All verification time of the step (call after synchronising)."""
+        gpu = sum(start.elapsed_time(end) for start, end in self._events) / 1e3
+        return self.seconds + gpu
+
+
+def summarize(req: object, check: AbftCheck, cached: bool = False) -> tuple[Tensor | None, Tensor | list[float]]:
+    """Device-side reduction of one check of ``req``, after confirming its flags
+    (``sdc_guard.core.confirm``): (confirmed-corruption mask, ``SUMMARY`` numbers).
+
+    A ``clear`` check (CPU: every segment passed, all finite) has nothing to confirm or
+    reduce but its worst ratio (given by the native backend, else read on the host, where
+    that costs nothing), and no mask (``None``: all False); its summary stays on the
+    host. ``cached``: the check used a cached weight encoding (a cleared flag is then
+    tested for a stale one: a weight corrupted at rest).
+    """
+    if check.clear and check.diff is not None and check.threshold is not None:
+        worst = check.worst_ratio
+        if worst is None:
+            worst = float((check.diff / check.threshold).amax()) if check.diff.numel() else 0.0
+        return None, clear_summary(worst)
+    ratio = check.ratio
+    conf = confirm(req, check.ok, check.inputs_bad, ratio, cached=cached)
+    corrupted = conf.corrupted
+    misses = candidates(check.ok, check.inputs_bad) & ~corrupted & ~conf.overflow
+    if ratio is None:
+        worst = torch.full((), float("nan"), device=corrupted.device)
+    else:
+        # Non-finite D (corruption to Inf/NaN) counts as an infinite ratio; segments that
+        # are unverifiable or legitimately overflowed do not count.
+        valid = ~check.inputs_bad & ~conf.overflow
+        ratio = torch.nan_to_num(ratio, nan=float("inf"))
+        worst = torch.where(valid, ratio, 0.0).amax() if ratio.numel() else ratio.new_zeros(())
+    summary = torch.stack([corrupted.any().float(), worst.float(), conf.overflow.any().float(),
+                           (~check.ok & check.inputs_bad).any().float(), misses.sum().float(),
+                           conf.sdc.any().float()])
+    return corrupted, summary
+
+
+class StepLedger:
+    """Everything ``Guard`` learns during one step (or one re-execution of it)."""
+
+    def __init__(self, carried_seconds: float = 0.0) -> None:
+        self.seen = 0
+        self.pending: list[Pending] = []
+        self.unverified: dict[str, int] = {}
+        self.sites_seen: set[SiteKey] = set()
+        self.site_seconds: dict[SiteKey, float] = {}
+        self.site_calls: dict[SiteKey, int] = {}
+        self.by_kind: dict[KindKey, GemmCounts] = {}
+        self.clock = Clock()
+        self.started = time.perf_counter()
+        self.ops = 0  #: aten ops the dispatch mode intercepted
+        self.hook_seconds = 0.0  #: host time in the guard's per-op hooks (verification on CPU included)
+        self.module_calls = 0  #: module calls the site tracker's hooks ran for
+        #: guard work done between the previous report and this step's start (re-encoding
+        #: the updated weights, snapshots, the previous outcome's bookkeeping): counted here
+        self.carried_seconds = carried_seconds
+
+    def see(self, kind: KindKey) -> int:
+        """Count a GEMM; returns its index among the step's GEMMs."""
+        self.seen += 1
+        self.by_kind.setdefault(kind, GemmCounts()).seen += 1
+        return self.seen - 1
+
+    def unverifiable(self, op: str) -> None:
+        """Count a GEMM-bearing op that could not be verified."""
+        self.unverified[op] = self.unverified.get(op, 0) + 1
+
+    def record(self, pending: Pending, seconds: float) -> None:
+        """A verified GEMM whose flags wait on the device; ``seconds`` it took (CPU)."""
+        self.pending.append(pending)
+        self.by_kind[pending.kind].verified += 1
+        self.site_seconds[pending.site] = self.site_seconds.get(pending.site, 0.0) + seconds
+        self.site_calls[pending.site] = self.site_calls.get(pending.site, 0) + 1
+
+    def costs(self, report: StepReport) -> StepCosts:
+        """The sampler's feedback for this step."""
+        return StepCosts(report.step, report.step_seconds, report.verify_seconds,
+                         dict(self.site_seconds), dict(self.site_calls), report.guard_seconds)
+
+    def guard_seconds(self, round_trip: float, module_hook: float = 0.0) -> float:
+        """Everything the guard added to the step (call after synchronising): host time in
+        its hooks (sampling, bookkeeping, and on CPU verification) and around the step
+        (``carried_seconds``), the dispatch mode's round trip for every op intercepted
+        (``round_trip`` seconds each, measured once per process by
+        ``intercept.round_trip_seconds``), the site tracker's module hooks
+        (``module_hook`` per module call, ``intercept.module_hook_seconds``), and
+        verification time on an accelerator. An estimate where the mode and the hooks are
+        concerned: what they cost the ops between them (cache effects) is not in it."""
+        return (self.hook_seconds + self.carried_seconds + self.ops * round_trip + self.module_calls * module_hook
+                + (self.clock.total() - self.clock.seconds))
+
+    def report(self, step: int, attempt: int, rank: int, *, watched: bool = True,
+               stats: ScreenStats | None = None, round_trip: float = 0.0, module_hook: float = 0.0) -> StepReport:
+        """Read the flags (the one host synchronisation of the step) into a report; with
+        ``stats``, record every verified GEMM's worst D/T and flag in it."""
+        summaries = read_summaries([p.summary for p in self.pending])  # the one host sync
+        if stats is not None:
+            for p, s in zip(self.pending, summaries):
+                stats.observe(p.site, s[1], s[0] > 0 or s[4] > 0)
+        step_seconds = time.perf_counter() - self.started + self.carried_seconds
+        verify_seconds = self.clock.total()
+        detections = [
+            detection(step, p, s[1], rank, "gemm" if s[5] > 0 else "weight")
+            for p, s in zip(self.pending, summaries)
+            if s[0] > 0
+        ]
+        for p, s in zip(self.pending, summaries):
+            if s[0] > 0:
+                self.by_kind[p.kind].flagged += 1
+        ratios = [s[1] for s in summaries if s[1] == s[1]]
+        base = max(step_seconds - verify_seconds, 1e-12)
+        guard_seconds = min(self.guard_seconds(round_trip, module_hook), step_seconds)
+        return StepReport(
+            step=step, seen=self.seen, verified=len(self.pending), flagged=len(detections),
+            detections=detections, unverified_ops=dict(self.unverified),
+            verify_seconds=verify_seconds, step_seconds=step_seconds,
+            overhead=guard_seconds / max(step_seconds - guard_seconds, 1e-12), verify_overhead=verify_seconds / base,
+            guard_seconds=guard_seconds, intercepted_ops=self.ops,
+            overflow=sum(1 for s in summaries if s[2] > 0),
+            unverifiable=sum(1 for s in summaries if s[3] > 0),
+            worst_ratio=max(ratios, default=0.0), sites_seen=len(self.sites_seen),
+            screen_misses=int(sum(s[4] for s in summaries)), segments=sum(p.segments for p in self.pending),
+            sites_verified=len({p.site for p in self.pending}), rank=rank,
+            by_kind=dict(self.by_kind), attempt=attempt, watched=watched,
+        )
+
+
+
+def read_summaries(summaries: list[Tensor | list[float]]) -> list[list[float]]:
+    """All per-GEMM summaries to the host in one transfer per device."""
+    if not summaries:
+        return []
+    by_device: dict[torch.device, list[int]] = {}
+    out: list[list[float]] = [[]] * len(summaries)
+    for i, s in enumerate(summaries):
+        if isinstance(s, list):
+            out[i] = s
+        else:
+            by_device.setdefault(s.device, []).append(i)
+    for indices in by_device.values():
+        rows = torch.stack([summaries[i] for i in indices]).tolist()
+        for i, row in zip(indices, rows):
+            out[i] = row
+    return out
+
+
+def detection(step: int, p: Pending, ratio: float, rank: int, kind: str = "gemm") -> Detection:
+    assert p.sdc is not None, "a flagged check has its mask"
+    mask = p.sdc.reshape(-1, *p.sdc.shape[-2:]).any(0)
+    rows = torch.nonzero(mask.any(-1)).flatten().tolist()
+    segments = torch.nonzero(mask.any(-2)).flatten().tolist()
+    site, phase, op = p.site
+    return Detection(step, site, op, phase, rows, segments, ratio, p.shape,
+                     str(p.dtype).removeprefix("torch."), p.call_index, rank, kind)

@@ -1,0 +1,96 @@
+"""What a guarded step saw: ``StepReport`` and its ``Detection`` records.
+
+Plain dataclasses, so that metrics, loggers, policies and users read one format; built
+once per step by ``Guard`` (one host synchronisation), never per GEMM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Detection:
+    """One GEMM whose check found corruption, confirmed by exact recomputation."""
+
+    step: int
+    site: str  #: module path relative to the protected model ("global" outside any module)
+    op: str  #: aten op ("addmm", "mm", ...)
+    phase: str  #: "forward" or "backward"
+    rows: list[int]  #: flagged rows (within the last two dims)
+    segments: list[int]  #: flagged 256-column segments
+    ratio: float  #: worst D/T of the GEMM (nan where the backend reports no D)
+    shape: tuple[int, ...]  #: (*batch, M, K, N)
+    dtype: str
+    call_index: int  #: position of the GEMM among the step's GEMMs
+    rank: int = 0
+    #: "gemm": the product disagrees with its operands; "weight": the product is right for
+    #: the weight in memory, but the weight changed at rest since its last observed update
+    kind: str = "gemm"
+
+
+KindKey = tuple[str, str, str]  #: (op, phase, dtype): bounded label set for metrics
+
+
+@dataclass
+class GemmCounts:
+    """GEMMs of one (op, phase, dtype) in a step."""
+
+    seen: int = 0
+    verified: int = 0
+    flagged: int = 0
+
+
+@dataclass
+class StepReport:
+    """What one step saw.
+
+    ``overhead`` is what the guard cost the step, everything it added (interception,
+    site tracking, bookkeeping, verification, and the work since the previous report:
+    re-encoding updated weights, snapshots: ``guard_seconds``) over the step time
+    without it; ``verify_overhead`` counts verification alone. ``guard_seconds`` is
+    partly estimated: the dispatch mode's round trip per intercepted op and the site
+    hooks' cost per module call are charged at rates measured once per process
+    (``sdc_guard.runtime.ledger.StepLedger.guard_seconds``); what the mode and hooks cost the
+    model's own ops between them (cache effects) is not in it, so on small models, where
+    they dominate, the estimate is low (``sdc-guard bench train`` shows both).
+    """
+
+    step: int
+    seen: int  #: GEMMs seen
+    verified: int
+    flagged: int  #: GEMMs with at least one confirmed corrupted segment
+    detections: list[Detection]
+    unverified_ops: dict[str, int]  #: GEMM-bearing ops that could not be verified, by op
+    verify_seconds: float
+    step_seconds: float
+    overhead: float  #: guard_seconds / (step_seconds - guard_seconds): the guard's whole cost
+    overflow: int = 0  #: GEMMs with a legitimate-overflow segment (not corruption)
+    unverifiable: int = 0  #: GEMMs with non-finite inputs (not corruption)
+    worst_ratio: float = 0.0  #: worst screen D/T over the step's verified GEMMs
+    sites_seen: int = 0
+    sites_verified: int = 0
+    rank: int = 0
+    attempt: int = 0  #: 0 for the step's run, 1.. for re-executions by the recompute response
+    by_kind: dict[KindKey, GemmCounts] = field(default_factory=dict)  #: counts by (op, phase, dtype)
+    #: False for a step the sampler chose not to watch (no dispatch mode, so no GEMM seen)
+    watched: bool = True
+    #: (row, segment)s the screen flagged that the exact confirmation did not confirm: a
+    #: clean product the screen suspected. Counted and exported, never acted on.
+    screen_misses: int = 0
+    segments: int = 0  #: (row, segment)s the screen checked
+    verify_overhead: float = 0.0  #: verify_seconds / (step_seconds - verify_seconds)
+    guard_seconds: float = 0.0  #: everything the guard added to the step (see the class doc)
+    intercepted_ops: int = 0  #: aten ops the dispatch mode saw
+    #: the gradient screen (``sampling.Screened``) ran on this step's gradients
+    gradient_screened: bool = False
+    #: it tripped: the step was re-executed with every GEMM verified (see StepOutcome.screen)
+    gradient_screen_tripped: bool = False
+    gradient_ratio: float = 0.0  #: largest per-parameter gradient norm over its reference
+    gradient_total_ratio: float = 0.0  #: norm of all gradients over the references' norm
+    nonfinite_grads: int = 0  #: parameters whose gradient held a NaN or an infinity
+
+    @property
+    def flag(self) -> bool:
+        """True if any GEMM of the step was flagged."""
+        return self.flagged > 0

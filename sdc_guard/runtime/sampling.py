@@ -1,0 +1,635 @@
+"""Which GEMMs to verify: all of them, or a share chosen by a promise about coverage or cost.
+
+A *site* is where a GEMM comes from: ``(module path, phase, op)``. Samplers decide per
+step whether the guard needs to see the step's GEMMs at all (``watches_step``), per call
+whether to verify (``should_verify``), and learn at the end of each step (``end_step``),
+so that a sampler carries its schedule across successive ``protect()`` blocks.
+
+A step nobody watches costs nothing: the guard leaves its dispatch mode off, and the
+Python dispatch mode seeing every aten op is most of what a sampled guard costs a small
+model (5-10 % of a CPU step for a mode that does nothing). Each sampler's promise:
+
+- ``Full()``: every GEMM.
+- ``Rate(p, seed)``: each GEMM independently with probability ``p``, reproducible.
+- ``EveryN(n)``: every GEMM of every n-th step (steps 0, n, 2n, ...); the steps in between
+  are not watched.
+- ``Rotating(k)``: every site at least once in every window of ``k`` consecutive steps.
+- ``Budget(max_overhead, window=None)``: everything the guard adds (interception and
+  verification) at or under ``max_overhead`` of the unguarded step time, spent in sweeps
+  that verify every site; the first steps verify everything, to measure each site's
+  cost. With ``window``, also every site at least once in every ``window`` steps.
+- ``Screened(background=None)``: no GEMM on a step whose gradients look ordinary (one
+  fused norm pass and one host sync per optimizer step); a step whose gradient norms
+  spike or are not finite is re-executed with every GEMM verified. ``background`` (a
+  ``Budget``) verifies what it chooses meanwhile, for faults too small to move a norm.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+SiteKey = tuple[str, str, str]  #: (module path, phase, op)
+
+
+@dataclass
+class StepCosts:
+    """What a step cost, as the guard measured it: the sampler's feedback."""
+
+    step: int
+    step_seconds: float  #: wall time of the step, verification included
+    verify_seconds: float
+    site_seconds: dict[SiteKey, float] = field(default_factory=dict)  #: verification time per site
+    site_calls: dict[SiteKey, int] = field(default_factory=dict)  #: verified calls per site
+    #: everything the guard added (interception, bookkeeping, verification; StepReport.guard_seconds)
+    guard_seconds: float = 0.0
+
+
+class Sampler(Protocol):
+    """The interface ``Guard`` drives. ``state_dict`` makes a resumed run continue.
+
+    ``watches_step`` is optional (a sampler without it watches every step): called after
+    ``begin_step``, ``False`` promises that ``should_verify`` would refuse every GEMM of
+    the step, so the guard need not intercept it.
+    """
+
+    def begin_step(self, step: int) -> None: ...
+    def should_verify(self, site: SiteKey) -> bool: ...
+    def end_step(self, costs: StepCosts) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+SAMPLER_METHODS = ("begin_step", "should_verify", "end_step")
+STATEFUL_METHODS = ("state_dict", "load_state_dict")
+
+
+def check_sampler(sampler: Any, name: str = "sampler", *, stateful: bool = False) -> Sampler:
+    """Return ``sampler``, or raise ``TypeError`` naming ``name`` unless it is a sampler
+    object: one with ``begin_step``, ``should_verify`` and ``end_step`` (``stateful``:
+    also ``state_dict`` and ``load_state_dict``, which checkpoints need).
+
+    >>> check_sampler("Full")
+    Traceback (most recent call last):
+    ...
+    TypeError: sampler: expected a sampler object (with begin_step, should_verify, end_step) such as Full() or Budget(0.05), got str 'Full'
+    """
+    methods = SAMPLER_METHODS + (STATEFUL_METHODS if stateful else ())
+    if isinstance(sampler, type):
+        got = f"the class {sampler.__name__} (pass an instance: {sampler.__name__}(...))"
+    elif not all(callable(getattr(sampler, m, None)) for m in methods):
+        missing = [m for m in methods if not callable(getattr(sampler, m, None))]
+        got = f"{type(sampler).__name__} {sampler!r}"
+        if len(missing) < len(methods):
+            got += f", which has no {', '.join(missing)}"
+    else:
+        return sampler
+    raise TypeError(f"{name}: expected a sampler object (with {', '.join(methods)}) such as Full() or "
+                    f"Budget(0.05), got {got}")
+
+
+def _check_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _check_weight(name: str, value: object) -> float:
+    """A moving average's weight: a real number in (0, 1]."""
+    what = "a number in (0, 1] (the moving average's weight of the newest value)"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected {what}, got {type(value).__name__} {value!r}")
+    if not 0 < value <= 1:
+        raise ValueError(f"{name}: expected {what}, got {value!r}")
+    return float(value)
+
+
+def sampler_watches(sampler: Sampler) -> bool:
+    """``sampler.watches_step()``; a sampler without that method watches every step."""
+    watches = getattr(sampler, "watches_step", None)
+    return True if watches is None else bool(watches())
+
+
+class Stateless:
+    """Base for samplers whose only state is the step they are on."""
+
+    step = 0
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+
+    def watches_step(self) -> bool:
+        return True
+
+    def end_step(self, costs: StepCosts) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+
+
+class Full(Stateless):
+    """Verify every GEMM.
+
+    >>> Full().should_verify(("fc1", "forward", "addmm"))
+    True
+    """
+
+    def should_verify(self, site: SiteKey) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "Full()"
+
+
+class Rate(Stateless):
+    """Verify each GEMM with probability ``p``; the same seed gives the same choices.
+
+    >>> [Rate(0.5, seed=1).should_verify(("x", "forward", "mm")) for _ in range(2)]
+    [True, True]
+    """
+
+    def __init__(self, p: float, seed: int = 0) -> None:
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+            raise ValueError(f"p: expected a probability in [0, 1], got {p!r}")
+        self.p = float(p)
+        self.seed = _check_int("seed", seed)
+        self._rng = random.Random(seed)
+
+    def watches_step(self) -> bool:
+        return self.p > 0.0
+
+    def should_verify(self, site: SiteKey) -> bool:
+        return self._rng.random() < self.p
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "rng": self._rng.getstate()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        rng = state["rng"]
+        self._rng.setstate((rng[0], tuple(rng[1]), rng[2]))
+
+    def __repr__(self) -> str:
+        return f"Rate({self.p}, seed={self.seed})"
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+class EveryN(Stateless):
+    """Verify every GEMM of steps 0, n, 2n, ...; the steps in between are not watched.
+
+    >>> s = EveryN(3); s.begin_step(4); s.watches_step(), s.should_verify(("x", "forward", "mm"))
+    (False, False)
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = _check_positive_int("n", n)
+
+    def watches_step(self) -> bool:
+        return self.step % self.n == 0
+
+    def should_verify(self, site: SiteKey) -> bool:
+        return self.step % self.n == 0
+
+    def __repr__(self) -> str:
+        return f"EveryN({self.n})"
+
+
+class Rotating:
+    """Verify each site once in every window of ``k`` steps, a fixed share per step.
+
+    Sites are numbered in order of first appearance; site ``i`` is verified on the steps
+    ``s`` with ``s % k == i % k``, so any ``k`` consecutive steps cover every residue and
+    each step verifies about ``1/k`` of the sites. A site is also verified on the step it
+    first appears (its first window starts there).
+
+    >>> r = Rotating(2); r.begin_step(0); r.should_verify(("a", "forward", "mm"))
+    True
+    """
+
+    def __init__(self, k: int) -> None:
+        self.k = _check_positive_int("k", k)
+        self.step = 0
+        self._index: dict[SiteKey, int] = {}
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+
+    def watches_step(self) -> bool:
+        return True
+
+    def should_verify(self, site: SiteKey) -> bool:
+        if site not in self._index:
+            self._index[site] = len(self._index) % self.k
+            return True
+        return self.step % self.k == self._index[site]
+
+    def end_step(self, costs: StepCosts) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "index": [[list(site), i] for site, i in self._index.items()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self._index = {tuple(site): int(i) for site, i in state["index"]}
+
+    def __repr__(self) -> str:
+        return f"Rotating({self.k})"
+
+
+class Budget:
+    """Keep what the guard adds to a step at or under ``max_overhead`` of the unguarded step.
+
+    What the guard adds is interception (a dispatch mode seeing every op of a watched
+    step) as well as verification, and on a small model interception alone can exceed a
+    5 % budget. So the budget is spent in *sweeps*: a token bucket earns, every step,
+    ``max_overhead`` times the moving average of the step time of unwatched steps; once
+    the credit covers verifying every known site (at their measured costs), the next step
+    is watched and verifies them all, and is charged what it really cost over an unwatched
+    step (interception included, never less than its verification time). Unwatched steps
+    run no mode; the one after a sweep carries the guard's re-encoding of the updated
+    weights (its ``guard_seconds``), which is charged and kept out of the base. With a full sweep costing ``F`` of a step, every site is verified about
+    every ``F / max_overhead`` steps, and the long-run overhead is the budget.
+
+    Costs are robust to a noisy machine: each site's *relative* cost is the minimum of its
+    measurements during the ``warmup`` steps (which verify everything and are not
+    charged; first calls pay one-off costs), and one global factor, a moving average of
+    measured over predicted time across all verified sites, scales them. A timing spike
+    therefore moves the whole plan for a few steps instead of pricing one site out of the
+    schedule. A site first met after warm-up is verified at once and charged.
+
+    ``window`` (optional) turns the coverage into a promise: a sweep is also taken
+    whenever a known site would otherwise go ``window`` consecutive steps unverified, so
+    every site is verified at least once in every ``window`` steps, credit or not. The
+    budget is then a soft cap: where a sweep costs more than ``window * max_overhead`` of
+    a step (a slow backend, a tiny model), the overhead is a sweep every ``window`` steps.
+
+    >>> b = Budget(0.05, window=20); b.begin_step(0); b.watches_step(), b.should_verify(("a", "forward", "mm"))
+    (True, True)
+    """
+
+    def __init__(self, max_overhead: float, *, window: int | None = None, smoothing: float = 0.3,
+                 warmup: int = 2) -> None:
+        if isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float)) or \
+                not 0 < max_overhead < float("inf"):
+            raise ValueError(f"max_overhead: expected a positive fraction (0.05 = 5 %), got {max_overhead!r}")
+        self.window = None if window is None else _check_positive_int("window", window)
+        smoothing = _check_weight("smoothing", smoothing)
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(f"warmup: expected a positive int, got {warmup!r}")
+        self.max_overhead = float(max_overhead)
+        self.smoothing = smoothing
+        self.warmup = warmup
+        self.step = 0
+        self._steps_done = 0
+        self._cost: dict[SiteKey, float] = {}  #: relative cost (seconds at scale 1)
+        self._scale = 1.0
+        self._last: dict[SiteKey, int] = {}
+        self._base_seconds: float | None = None  #: moving average of an unguarded step
+        self._base_measured = False  #: whether an unwatched step has measured it yet
+        self._credit = 0.0
+        self._sweep = False
+        self._charged_total = 0.0
+        self._base_total = 0.0
+        self._completed = -1
+
+    @property
+    def warming_up(self) -> bool:
+        """True during the first ``warmup`` steps, which verify everything."""
+        return self._steps_done < self.warmup
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+    @property
+    def _sweep_cost(self) -> float:
+        """Predicted verification seconds of a sweep over every known site."""
+        return self._scale * sum(self._cost.values())
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        if self.warming_up:
+            self._sweep = True
+            return
+        assert self._base_seconds is not None
+        earned = self.max_overhead * self._base_seconds
+        self._credit = min(self._credit + earned, max(self._sweep_cost, earned))
+        self._sweep = self._credit >= self._sweep_cost or self._window_due(step)
+
+    def _window_due(self, step: int) -> bool:
+        """Whether some known site was last verified ``window`` steps ago (or longer)."""
+        return self.window is not None and bool(self._last) and step - min(self._last.values()) >= self.window
+
+    def watches_step(self) -> bool:
+        return self._sweep
+
+    def should_verify(self, site: SiteKey) -> bool:
+        return self._sweep or site not in self._cost
+
+    def end_step(self, costs: StepCosts) -> None:
+        watched = self._sweep
+        warm = self.warming_up
+        self._steps_done += 1
+        self._completed = costs.step
+        self._learn_costs(costs.site_seconds, warm)
+        for site in costs.site_seconds:
+            self._last[site] = costs.step
+        added = max(costs.verify_seconds, costs.guard_seconds)  # what the guard's own account says it added
+        if warm:
+            # no unwatched step yet: the step less what the guard added stands in for the base
+            self._base_seconds = self._ema(self._base_seconds, max(costs.step_seconds - added, 1e-9))
+            return
+        assert self._base_seconds is not None
+        if not watched:
+            # an unwatched step runs no mode and verifies nothing, but may carry the guard's
+            # work after the sweep before it (re-encoding the updated weights): that is
+            # charged, and kept out of the base
+            seconds = max(costs.step_seconds - costs.guard_seconds, 1e-9)
+            self._base_seconds = self._ema(self._base_seconds if self._base_measured else None, seconds)
+            self._base_measured = True
+        else:
+            # a watched step less what the guard added bounds the unguarded step from above: a
+            # base learned in a slow spell comes down even if every step is watched
+            self._base_seconds = min(self._base_seconds, max(costs.step_seconds - added, 1e-9))
+        charge = max(costs.step_seconds - self._base_seconds, added) if watched else costs.guard_seconds
+        self._credit -= charge
+        self._charged_total += charge
+        self._base_total += self._base_seconds
+
+    def _learn_costs(self, measured: dict[SiteKey, float], warm: bool) -> None:
+        if warm:
+            for site, seconds in measured.items():
+                self._cost[site] = min(seconds, self._cost.get(site, seconds))
+            return
+        known = [s for s in measured if s in self._cost]
+        predicted = sum(self._cost[s] for s in known)
+        if predicted > 0:
+            self._scale = self._ema(self._scale, sum(measured[s] for s in known) / predicted)
+        for site in measured:
+            if site not in self._cost:
+                self._cost[site] = measured[site] / self._scale
+
+    @property
+    def achieved_overhead(self) -> float:
+        """Everything charged (interception and verification of watched steps) over the
+        unguarded step time of the same steps, after warm-up."""
+        return self._charged_total / self._base_total if self._base_total else 0.0
+
+    def coverage(self, window: int) -> float:
+        """Share of known sites verified within the last ``window`` completed steps."""
+        if not self._cost:
+            return 0.0
+        recent = sum(1 for s in self._cost if self._completed - self._last.get(s, -(10**9)) < window)
+        return recent / len(self._cost)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "steps_done": self._steps_done, "scale": self._scale,
+            "base_seconds": self._base_seconds, "base_measured": self._base_measured,
+            "credit": self._credit,
+            "cost": [[list(s), c] for s, c in self._cost.items()],
+            "last": [[list(s), i] for s, i in self._last.items()],
+            "charged_total": self._charged_total, "base_total": self._base_total,
+            "completed": self._completed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self._steps_done = int(state["steps_done"])
+        self._scale = float(state["scale"])
+        self._base_seconds = state["base_seconds"]
+        self._base_measured = bool(state.get("base_measured", False))
+        self._credit = float(state["credit"])
+        self._cost = {tuple(s): float(c) for s, c in state["cost"]}
+        self._last = {tuple(s): int(i) for s, i in state["last"]}
+        self._charged_total = float(state.get("charged_total", state.get("verify_total", 0.0)))
+        self._base_total = float(state["base_total"])
+        self._completed = int(state["completed"])
+
+    def __repr__(self) -> str:
+        return f"Budget({self.max_overhead:g})" if self.window is None else \
+            f"Budget({self.max_overhead:g}, window={self.window})"
+
+
+@dataclass
+class GradientScreen:
+    """What the gradient screen saw at one step (``Screened.screen_gradients``)."""
+
+    step: int
+    tripped: bool  #: the statistic looked anomalous: the guard re-executes the step, verified
+    #: largest per-parameter gradient norm over that parameter's reference (nan when a norm
+    #: is not finite; compared with ``factor`` only after the warm-up)
+    worst_ratio: float
+    #: the norm of all gradients over that of the references: below ``1 / factor**2``, the
+    #: gradients collapsed (a clipping of an overflowed norm zeroes them all)
+    total_ratio: float
+    nonfinite: int  #: parameters whose gradient holds a NaN or an infinity
+    parameters: int  #: gradients screened
+    warming_up: bool  #: the reference was still being learnt (only non-finite trips)
+
+
+#: How a tripped screen was resolved (``Screened.resolve_screen``).
+SCREEN_VERDICTS = ("miss", "transient", "persistent", "non_deterministic", "unresolved")
+
+
+def sampler_screens(sampler: Any) -> bool:
+    """Whether ``sampler`` screens gradients (has ``screen_gradients``): the guard then
+    screens each optimizer step and re-executes, verified, the steps the screen trips on."""
+    return callable(getattr(sampler, "screen_gradients", None)) and callable(getattr(sampler, "resolve_screen", None))
+
+
+class Screened:
+    """Verify no GEMM; screen the gradients instead, and re-execute a suspicious step verified.
+
+    The front half of a silent-detection chain: after the backward and before the
+    optimizer step (``Guard.optimizer_step``), the guard hands the gradients to
+    ``screen_gradients``, which computes every parameter's gradient norm in one fused pass
+    (``torch._foreach_norm``) and compares each with its reference, an exponential moving
+    average of that parameter's past norms (weight ``smoothing``). The step trips when a
+    norm is not finite or, after ``warmup`` steps that only learn the reference, when
+    some norm exceeds ``factor`` times its reference (a spike, as Megatron's
+    ``is_unexpectedly_large``), or when the norm of all gradients falls under
+    ``1 / factor**2`` of the references' (a collapse: clipping an overflowed total norm
+    zeroes every gradient). One host synchronisation per step, none per parameter; no
+    dispatch mode and no GEMM check on the steps the screen passes.
+
+    A tripped step is re-executed by the guard with every GEMM verified
+    (``sdc_guard.respond.policy``): a corruption confirmed there is PERSISTENT; a clean
+    re-execution whose gradients differ from the first run's is TRANSIENT (training goes
+    on with the re-execution's gradients); identical gradients make the trip a *screen
+    miss*: the statistic was legitimately unusual, counted and nothing else.
+
+    An SDC too small to move a gradient norm ``factor``-fold passes the screen; that is
+    what ``background`` is for: a sampler (``Budget(0.05)``) whose choices of GEMMs to
+    verify are taken as they are (docs/SCREENED.md). Without one, no step is watched.
+
+    >>> s = Screened(Budget(0.05)); s.begin_step(0); s.watches_step()
+    True
+    >>> s = Screened(); s.begin_step(0); s.watches_step(), s.should_verify(("fc", "forward", "mm"))
+    (False, False)
+    """
+
+    def __init__(self, background: Sampler | None = None, *, factor: float = 10.0, smoothing: float = 0.1,
+                 warmup: int = 5) -> None:
+        if background is not None:
+            check_sampler(background, "background")
+            if isinstance(background, Screened):
+                raise TypeError("background: expected a sampler that chooses GEMMs (Budget(0.05), Rotating(8)), "
+                                "got another Screened, which would screen the same gradients twice")
+        what = "a number > 1 (a gradient norm above factor times its reference trips the screen)"
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+            raise TypeError(f"factor: expected {what}, got {type(factor).__name__} {factor!r}")
+        if not 1 < factor < float("inf"):
+            raise ValueError(f"factor: expected {what}, got {factor!r}")
+        smoothing = _check_weight("smoothing", smoothing)
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"warmup: expected a non-negative int (steps that only learn the reference), "
+                             f"got {warmup!r}")
+        self.background = background
+        self.factor = float(factor)
+        self.smoothing = smoothing
+        self.warmup = warmup
+        self.step = 0
+        self.trips = 0  #: steps the screen tripped on
+        self.misses = 0  #: trips whose verified re-execution was identical (legitimate spikes)
+        self._reference: Tensor | None = None  #: per-parameter EMA of gradient norms (float32)
+        self._shapes: list[tuple[int, ...]] | None = None  #: what the reference is of
+        self._learnt = 0  #: steps the reference has absorbed
+        self._pending: Tensor | None = None  #: the tripped step's norms, until resolved
+
+    # --- Sampler -----------------------------------------------------------------------------
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        if self.background is not None:
+            self.background.begin_step(step)
+
+    def watches_step(self) -> bool:
+        return self.background is not None and sampler_watches(self.background)
+
+    def should_verify(self, site: SiteKey) -> bool:
+        return self.background is not None and self.background.should_verify(site)
+
+    def end_step(self, costs: StepCosts) -> None:
+        if self.background is not None:
+            self.background.end_step(costs)
+
+    @property
+    def max_overhead(self) -> float | None:
+        """The background's overhead budget (``Budget.max_overhead``), if it has one: what
+        metrics export as the budget (the screen itself costs well under 1 %)."""
+        return getattr(self.background, "max_overhead", None)
+
+    # --- the screen ----------------------------------------------------------------------------
+
+    @property
+    def warming_up(self) -> bool:
+        """True while the reference has absorbed fewer than ``warmup`` steps."""
+        return self._learnt < self.warmup
+
+    def screen_gradients(self, grads: list[Tensor]) -> GradientScreen:
+        """Screen one step's gradients (``p.grad`` of the parameters that have one).
+
+        Norms, ratios and the non-finite count stay on the device until one transfer of
+        two numbers at the end. A step that passes is absorbed into the reference at
+        once; a tripped one waits for ``resolve_screen`` (a corrupted gradient must not
+        raise the bar for the next one).
+        """
+        norms = _norms(grads)
+        shapes = [tuple(g.shape) for g in grads]
+        if self._reference is None or shapes != self._shapes:
+            # the first step, or another set of gradients (a frozen layer thawed): learn anew
+            self._reference, self._shapes, self._learnt = norms.clone(), shapes, 0
+            self._pending = None
+        elif self._reference.device != norms.device:  # a reference loaded from a checkpoint
+            self._reference = self._reference.to(norms.device)
+        tiny = torch.finfo(torch.float32).tiny
+        ratio = norms / self._reference.clamp_min(tiny)
+        total = torch.linalg.vector_norm(norms) / torch.linalg.vector_norm(self._reference).clamp_min(tiny)
+        nonfinite = (~torch.isfinite(norms)).sum()
+        worst, total_ratio, bad = torch.stack([ratio.max(), total, nonfinite.to(ratio.dtype)]).tolist() \
+            if len(grads) else (0.0, 1.0, 0.0)  # the step's one host synchronisation
+        warming = self.warming_up
+        tripped = bad > 0 or (not warming and not (worst <= self.factor and total_ratio * self.factor ** 2 >= 1))
+        if tripped:
+            self.trips += 1
+            self._pending = norms
+        else:
+            self._absorb(norms)
+        return GradientScreen(self.step, tripped, worst, total_ratio, int(bad), len(grads), warming)
+
+    def resolve_screen(self, verdict: str, grads: list[Tensor] | None = None) -> None:
+        """Tell the screen how its last trip was resolved: a ``"miss"`` absorbs the
+        tripped step's norms into the reference, each capped at ``factor`` times its
+        reference (the values were legitimate: a lasting change of scale must not trip
+        every step, nor a one-off spike the steps after it), ``"transient"`` absorbs those of the
+        clean re-execution's ``grads``; anything else leaves the reference as it was."""
+        if verdict not in SCREEN_VERDICTS:
+            raise ValueError(f"verdict: expected one of {', '.join(SCREEN_VERDICTS)}, got {verdict!r}")
+        pending, self._pending = self._pending, None
+        if verdict == "miss":
+            self.misses += 1
+            if pending is not None:
+                self._absorb(pending)
+        elif verdict == "transient" and grads is not None and self._reference is not None and \
+                [tuple(g.shape) for g in grads] == self._shapes:
+            self._absorb(_norms(grads))
+
+    def _absorb(self, norms: Tensor) -> None:
+        assert self._reference is not None
+        finite = torch.isfinite(norms)  # a legitimate overflow must not poison the reference
+        if self._learnt == 0:
+            self._reference = torch.where(finite, norms, self._reference)
+        else:
+            # a legitimate spike moves the reference by at most factor * smoothing of itself:
+            # a one-off outlier batch must not make the ordinary steps after it look collapsed
+            capped = torch.minimum(norms, self._reference * self.factor)
+            self._reference = torch.where(finite, torch.lerp(self._reference, capped, self.smoothing), self._reference)
+        self._learnt += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "trips": self.trips, "misses": self.misses, "learnt": self._learnt,
+            "reference": None if self._reference is None else self._reference.tolist(),
+            "shapes": None if self._shapes is None else [list(s) for s in self._shapes],
+            "background": None if self.background is None else self.background.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.trips, self.misses, self._learnt = int(state["trips"]), int(state["misses"]), int(state["learnt"])
+        ref = state["reference"]
+        self._reference = None if ref is None else torch.tensor(ref, dtype=torch.float32)
+        self._shapes = None if state["shapes"] is None else [tuple(s) for s in state["shapes"]]
+        self._pending = None
+        if self.background is not None and state.get("background") is not None:
+            self.background.load_state_dict(state["background"])
+
+    def __repr__(self) -> str:
+        inner = "" if self.background is None else repr(self.background)
+        extra = "" if self.factor == 10.0 else f"{', ' if inner else ''}factor={self.factor:g}"
+        return f"Screened({inner}{extra})"
+
+
+def _norms(grads: list[Tensor]) -> Tensor:
+    """Every gradient's 2-norm as one float32 vector, in one fused pass per device and dtype."""
+    if not grads:
+        return torch.zeros(0)
+    norms = torch._foreach_norm(grads)
+    device = norms[0].device
+    if all(n.device == device and n.dtype == torch.float32 for n in norms):
+        return torch.stack(norms)
+    return torch.stack([n.to(device, torch.float32) for n in norms])

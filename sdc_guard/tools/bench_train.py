@@ -1,0 +1,366 @@
+"""``sdc-guard bench train``: what ``protect()`` costs a training step, end to end.
+
+A small GPT (``sdc_guard.tools.toy_gpt``, sized for a CPU by the options; or, with ``--model``,
+a ``transformers`` model built from a small config, ``sdc_guard.tools.bench_models``) trains
+in seven identical copies: unprotected (the baseline), with an empty
+``TorchDispatchMode`` around forward and backward (what PyTorch's Python dispatch of every
+op costs any mode-based interception), and under ``protect()`` with a sampler that
+verifies nothing (the fixed cost of intercepting), ``Full()``,
+``Budget(max_overhead, window=W)`` (the budget, with every site verified at least once in
+every ``W`` steps: the coverage window below), ``EveryN(n)`` and ``Screened()`` (the
+gradient screen: steps taken through ``Guard.optimizer_step``, which screens the
+gradients and would re-execute a tripped step; rollback snapshots off, since they are the
+policy's cost, not the screen's). The copies take their steps in
+turn, round after round (the order rotated each round), so that a slow spell of the
+machine falls on all of them; each protected copy keeps one ``Guard`` (and so its
+weight-side cache and its sampler's schedule) across its steps.
+
+Reported per configuration:
+
+- end-to-end overhead: total step time over total baseline step time - 1, warm-up rounds
+  excluded. Everything ``protect()`` adds is in it: the dispatch mode seeing every op,
+  site tracking, sampling, verification, the step report. (Samplers that verify in sweeps
+  make single steps uneven, so a median of per-round ratios would hide their cost; it is
+  reported beside, as ``median``.);
+- the guard's own account: what it says it added over the step time without it
+  (``StepReport.overhead``: interception estimated per op, bookkeeping, verification),
+  beside verification alone (``StepReport.verify_overhead``), and for ``Budget`` its
+  ``achieved_overhead``: the reported figure should track the measured one;
+- coverage: the largest gap, in steps, between two verifications of a site (or from a
+  site's last verification to the end), so "every site verified at least once every W
+  steps" is ``max gap <= W``; and ``Budget.coverage(W)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .bench_common import (
+    SHORT_NAME, Outcome, Progress, argtype, busy_warning, load_average, machine, parse_dtypes, pct,
+    resolve_device, sync, table,
+)
+from ..runtime.guard import protect
+from ..runtime.sampling import Budget, EveryN, Full, Sampler, Screened, SiteKey, StepCosts, Stateless, sampler_watches
+from ..respond.snapshot import SnapshotStore
+from .toy_gpt import GPT, GPTConfig
+
+#: The configuration that runs forward and backward under ``EmptyMode``.
+EMPTY_MODE = "empty dispatch mode"
+
+#: Issue 8's targets for this benchmark.
+TARGET_FULL = 0.20
+TARGET_BUDGET = 0.07
+TARGET_WINDOW = 20
+#: Issue 26's target: the gradient screen's steady state, clean.
+TARGET_SCREENED = 0.01
+SCREENED = "Screened()"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=60, help="measured rounds (steps per copy; default 60)")
+    parser.add_argument("--warmup", type=int, default=3, help="rounds before measuring (default 3)")
+    parser.add_argument("--budget", type=float, default=0.05, help="Budget's max_overhead (default 0.05)")
+    parser.add_argument("--every-n", type=int, default=TARGET_WINDOW, help=f"EveryN's n (default {TARGET_WINDOW})")
+    parser.add_argument("--window", type=int, default=TARGET_WINDOW,
+                        help=f"coverage window in steps, promised by Budget's window= (default {TARGET_WINDOW})")
+    model = parser.add_argument_group("model (a GPT with explicit attention matmuls)")
+    model.add_argument("--d-model", type=int, default=256)
+    model.add_argument("--layers", type=int, default=4)
+    model.add_argument("--heads", type=int, default=4)
+    model.add_argument("--ctx", type=int, default=128)
+    model.add_argument("--vocab", type=int, default=512)
+    model.add_argument("--batch", type=int, default=8)
+    model.add_argument("--dtype", default="fp32", type=argtype(lambda t: _one_dtype(t)),
+                       help="fp32 (default) or bf16 (autocast: the GEMMs run, and are verified, in bf16)")
+    model.add_argument("--model", default=None,
+                       help="a real model instead of the GPT above: hf:llama, hf:gpt2, hf:qwen2, hf:bert, ... or "
+                            "toy:D/CTX/BATCH/LAYERS/LR (sdc_guard.tools.bench_models; overrides the GPT's options)")
+
+
+def _one_dtype(text: str) -> torch.dtype:
+    dtypes = parse_dtypes(text)
+    if len(dtypes) != 1 or dtypes[0] == torch.float16:
+        raise ValueError(f"dtype: expected fp32 or bf16, got {text!r}")
+    return dtypes[0]
+
+
+class Never(Stateless):
+    """Verify nothing: what ``protect()`` costs before any verification (the dispatch mode
+    seeing every op, site tracking, the step's bookkeeping)."""
+
+    def should_verify(self, site: SiteKey) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "Never()"
+
+
+class EmptyMode(TorchDispatchMode):
+    """A dispatch mode that only runs each op: what PyTorch's Python dispatch alone costs
+    any interception built on a mode, before a line of sdc-guard runs (the floor under
+    "intercept only")."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+class RecordingSampler:
+    """A sampler that passes every decision through and remembers which sites it verified
+    at which step: the coverage a run really achieved, whatever the sampler claims."""
+
+    def __init__(self, inner: Sampler) -> None:
+        self.inner = inner
+        self.step = 0
+        self.verified: dict[SiteKey, list[int]] = {}
+        self.first_seen: dict[SiteKey, int] = {}
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self.inner.begin_step(step)
+
+    def watches_step(self) -> bool:
+        return sampler_watches(self.inner)
+
+    def should_verify(self, site: SiteKey) -> bool:
+        self.first_seen.setdefault(site, self.step)
+        decision = self.inner.should_verify(site)
+        if decision:
+            steps = self.verified.setdefault(site, [])
+            if not steps or steps[-1] != self.step:
+                steps.append(self.step)
+        return decision
+
+    def end_step(self, costs: StepCosts) -> None:
+        self.inner.end_step(costs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def max_gap(self, steps_run: int) -> int:
+        """Largest number of consecutive steps a site went without a verification,
+        counted from its first appearance to the end of the run."""
+        worst = 0
+        for site, first in self.first_seen.items():
+            marks = [first - 1] + self.verified.get(site, []) + [steps_run]
+            # the first appearance verifies under every sampler here, except EveryN off-step
+            worst = max(worst, max(b - a for a, b in zip(marks, marks[1:])) - 1)
+        return worst
+
+
+def _model(args: argparse.Namespace, device: torch.device) -> GPT:
+    torch.manual_seed(args.seed)
+    cfg = GPTConfig(vocab=args.vocab, ctx=args.ctx, d_model=args.d_model, heads=args.heads, layers=args.layers)
+    return GPT(cfg).to(device)
+
+
+def _batch(args: argparse.Namespace, step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.ctx + 1), generator=gen).to(device)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def run(args: argparse.Namespace) -> Outcome:
+    for name in ("steps", "every_n", "window", "d_model", "layers", "heads", "ctx", "vocab", "batch"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name.replace('_', '-')}: expected a positive int, got {getattr(args, name)}")
+    if args.d_model % args.heads:
+        raise ValueError(f"heads: expected a divisor of d-model {args.d_model}, got {args.heads}")
+    device = resolve_device(args.device)
+    work = None
+    if args.model is not None:
+        from .bench_models import build
+
+        work = build(args.model, seed=args.seed)
+        base = work.model.to(device)
+    else:
+        base = _model(args, device)
+    samplers: dict[str, Sampler | None] = {
+        "baseline": None, EMPTY_MODE: None, "intercept only": Never(), "Full()": Full(),
+        f"Budget({args.budget:g}, window={args.window})": Budget(args.budget, window=args.window),
+        f"EveryN({args.every_n})": EveryN(args.every_n), SCREENED: Screened(),
+    }
+    names = list(samplers)
+    models = {name: copy.deepcopy(base) for name in names}
+    optims = {name: torch.optim.AdamW(models[name].parameters(), lr=work.lr if work else 1e-3) for name in names}
+    recorders = {name: RecordingSampler(s) for name, s in samplers.items() if s is not None and name != SCREENED}
+    guards = {name: protect(models[name], sampler=rec) for name, rec in recorders.items()}
+    # the screen works in Guard.optimizer_step; rollback snapshots (the policy's cost, one
+    # copy of model and optimizer every 50 steps by default) are off: this row is the screen
+    guards[SCREENED] = protect(models[SCREENED], sampler=samplers[SCREENED],
+                               snapshots=SnapshotStore(models[SCREENED], optims[SCREENED], every=10**9))
+    autocast = args.dtype == torch.bfloat16
+
+    def screened_step(x: torch.Tensor, y: torch.Tensor, step: int) -> None:
+        model, opt = models[SCREENED], optims[SCREENED]
+
+        def closure() -> torch.Tensor:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = work.loss_of(model, step) if work is not None else model.loss(x, y)
+            loss.backward()
+            return loss
+
+        opt.zero_grad(set_to_none=True)  # before the step: nothing for optimizer_step to keep
+        guards[SCREENED].optimizer_step(opt, closure)
+
+    def train_step(name: str, x: torch.Tensor, y: torch.Tensor, step: int) -> None:
+        if name == SCREENED:
+            return screened_step(x, y, step)
+        model, opt = models[name], optims[name]
+        # forward and backward only: the guard, too, steps a GEMM-free optimizer outside its mode
+        with EmptyMode() if name == EMPTY_MODE else contextlib.nullcontext():
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = work.loss_of(model, step) if work is not None else model.loss(x, y)
+            loss.backward()
+        opt.step()
+
+    rounds = args.warmup + args.steps
+    progress = Progress(rounds, quiet=args.quiet)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    reports: dict[str, list[Any]] = {name: [] for name in guards}
+    load_before = load_average()
+    for r in range(rounds):
+        x, y = _batch(args, r, device)
+        order = names[r % len(names):] + names[: r % len(names)]
+        took = {}
+        for name in order:
+            sync(device)
+            start = time.perf_counter()
+            if name in guards:
+                with guards[name]:
+                    train_step(name, x, y, r)
+            else:
+                train_step(name, x, y, r)
+            sync(device)
+            took[name] = time.perf_counter() - start
+            if name in guards and guards[name].last_report is not None and r >= args.warmup:
+                reports[name].append(guards[name].last_report)
+        if r >= args.warmup:
+            for name in names:
+                times[name].append(took[name])
+        progress.step(f"round {r + 1}" + (" (warm-up)" if r < args.warmup else ""),
+                      ", ".join(f"{name} {1e3 * took[name]:.0f} ms" for name in names))
+    load_after = load_average()
+
+    baseline = times["baseline"]
+    results = []
+    for name in names:
+        ratios = [t / b for t, b in zip(times[name], baseline)]
+        row: dict[str, Any] = {
+            "config": name, "step_ms_median": 1e3 * statistics.median(times[name]),
+            "overhead": statistics.median(ratios) - 1.0,
+            "overhead_mean": sum(times[name]) / sum(baseline) - 1.0,
+        }
+        if name in guards:
+            reps = reports[name]
+            verify = sum(rep.verify_seconds for rep in reps)
+            rest = sum(rep.step_seconds - rep.verify_seconds for rep in reps)
+            added = sum(rep.guard_seconds for rep in reps)
+            unguarded = sum(rep.step_seconds - rep.guard_seconds for rep in reps)
+            row.update({
+                "verify_overhead": verify / rest if rest > 0 else float("nan"),
+                "reported_overhead": added / unguarded if unguarded > 0 else float("nan"),
+                "gemms_seen_per_step": statistics.mean(rep.seen for rep in reps) if reps else 0.0,
+                "gemms_verified_per_step": statistics.mean(rep.verified for rep in reps) if reps else 0.0,
+                "flagged": sum(rep.flagged for rep in reps),
+            })
+            if name == SCREENED:
+                screen = samplers[SCREENED]
+                assert isinstance(screen, Screened)
+                row.update({"screen_trips": screen.trips, "screen_misses": screen.misses,
+                            "gradient_ratio_max": max((rep.gradient_ratio for rep in reps), default=0.0)})
+                results.append(row)
+                continue
+            rec = recorders[name]
+            row.update({"sites": len(rec.first_seen), "max_gap_steps": rec.max_gap(rounds), "window": args.window})
+            row["every_site_within_window"] = row["max_gap_steps"] < args.window
+            if isinstance(rec.inner, Never):
+                for key in ("max_gap_steps", "every_site_within_window"):
+                    row.pop(key)
+            if isinstance(rec.inner, Budget):
+                row["budget_achieved_overhead"] = rec.inner.achieved_overhead
+                row["budget_coverage"] = rec.inner.coverage(args.window)
+        results.append(row)
+    text, targets = _render(results, args)
+    print(text)
+    warning = busy_warning(load_before, load_after, device)
+    if warning:
+        print(warning)
+    cfg = {k: getattr(args, k) for k in ("d_model", "layers", "heads", "ctx", "vocab", "batch")}
+    if args.model is not None:
+        cfg = {"name": args.model}
+    payload = {
+        "command": "train", "machine": machine(device),
+        "settings": {"steps": args.steps, "warmup": args.warmup, "budget": args.budget, "every_n": args.every_n,
+                     "window": args.window, "dtype": SHORT_NAME[args.dtype], "seed": args.seed, "model": cfg,
+                     "parameters": sum(p.numel() for p in base.parameters())},
+        "load_average": {"before": load_before, "after": load_after},
+        "results": results, "targets": targets, "notes": [warning] if warning else [],
+    }
+    return Outcome(0, payload)
+
+
+def _render(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    body = []
+    for r in results:
+        base = r["config"] == "baseline"
+        body.append([r["config"], f"{r['step_ms_median']:.1f}", "-" if base else pct(r["overhead_mean"]),
+                     "-" if base else pct(r["overhead"]),
+                     pct(r.get("reported_overhead", float("nan"))), pct(r.get("verify_overhead", float("nan"))),
+                     f"{r.get('gemms_verified_per_step', 0):.1f}/{r.get('gemms_seen_per_step', 0):.0f}" if "gemms_seen_per_step" in r else "-",
+                     r.get("sites", "-"), r.get("max_gap_steps", "-"),
+                     pct(r["budget_coverage"]) if "budget_coverage" in r else "-"])
+    what = (f"{args.model}" if args.model is not None else
+            f"a {args.layers}-layer GPT (d_model {args.d_model}, ctx {args.ctx}, batch {args.batch}")
+    lines = [f"training steps of {what}, {SHORT_NAME[args.dtype]}), {args.steps} measured rounds",
+             "overhead: total step time / total baseline step time - 1 (end to end; samplers that "
+             "verify in sweeps make single steps uneven, so this is the figure); median: over rounds "
+             "of step time / baseline step time - 1; reported: what StepReport.overhead says the guard "
+             "added (interception estimated per op, bookkeeping, verification); verify: verification "
+             "alone (StepReport.verify_overhead)", "",
+             table(["config", "step ms", "overhead", "median", "reported", "verify", "verified/seen GEMMs", "sites",
+                    "max gap", f"coverage({args.window})"], body, align="lrrrrrrrrr"), ""]
+    by = {r["config"]: r for r in results}
+    full = by["Full()"]
+    budget = next(r for r in results if r["config"].startswith("Budget"))
+    targets = {
+        "full_le_20pct": {"measured": full["overhead_mean"], "target": TARGET_FULL,
+                          "met": full["overhead_mean"] <= TARGET_FULL},
+        "budget_le_7pct": {"measured": budget["overhead_mean"], "target": TARGET_BUDGET,
+                           "met": budget["overhead_mean"] <= TARGET_BUDGET},
+        "budget_every_site_within_20": {"measured": budget["max_gap_steps"], "window": TARGET_WINDOW,
+                                        "met": budget["max_gap_steps"] < TARGET_WINDOW},
+    }
+    screened = by[SCREENED]
+    targets["screened_le_1pct"] = {"measured": screened["overhead_mean"], "target": TARGET_SCREENED,
+                                   "met": screened["overhead_mean"] <= TARGET_SCREENED}
+    fixed, empty = by.get("intercept only"), by.get(EMPTY_MODE)
+    if fixed is not None and empty is not None:
+        lines += [f"fixed cost of protect() before any verification (every op through the dispatch mode, "
+                  f"site tracking, step bookkeeping): {pct(fixed['overhead_mean'])} of the step; PyTorch's "
+                  f"dispatch mode alone (an empty one around forward and backward): "
+                  f"{pct(empty['overhead_mean'])}", ""]
+    lines += ["targets:",
+              f"  Full() <= {pct(TARGET_FULL)} of the step: {pct(full['overhead_mean'])} -> "
+              f"{'MET' if targets['full_le_20pct']['met'] else 'NOT MET'}",
+              f"  {budget['config']} <= {pct(TARGET_BUDGET)}: {pct(budget['overhead_mean'])} "
+              f"(its own account {pct(budget['budget_achieved_overhead'])}) -> "
+              f"{'MET' if targets['budget_le_7pct']['met'] else 'NOT MET'}",
+              f"  every site verified at least once every {TARGET_WINDOW} steps under {budget['config']}: "
+              f"longest gap {budget['max_gap_steps']} steps -> "
+              f"{'MET' if targets['budget_every_site_within_20']['met'] else 'NOT MET'}",
+              f"  {SCREENED} (gradient screen, no GEMM verified unless it trips; no snapshots) <= "
+              f"{pct(TARGET_SCREENED)}: {pct(screened['overhead_mean'])} ({screened['screen_trips']} trips, "
+              f"{screened['screen_misses']} misses) -> {'MET' if targets['screened_le_1pct']['met'] else 'NOT MET'}"]
+    return "\n".join(lines), targets
