@@ -13,7 +13,7 @@ import argparse
 import torch
 
 import sdc_guard
-from sdc_guard.tools.toy_gpt import GPT, CharData, GPTConfig, make_corpus
+from sdc_guard.toy_gpt import GPT, CharData, GPTConfig, make_corpus
 
 
 def main() -> None:

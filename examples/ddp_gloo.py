@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sdc_guard
-from sdc_guard.tools.toy_gpt import GPT, CharData, GPTConfig, make_corpus
+from sdc_guard.toy_gpt import GPT, CharData, GPTConfig, make_corpus
 
 STEPS = 8
 

@@ -20,7 +20,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import sdc_guard
 from sdc_guard.integrations.transformers import SDCGuardCallback
-from sdc_guard.tools.toy_gpt import CharData, make_corpus
+from sdc_guard.toy_gpt import CharData, make_corpus
 
 
 class Windows(torch.utils.data.Dataset):

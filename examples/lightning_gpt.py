@@ -14,7 +14,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader, Dataset
 
 from sdc_guard import SDCGuard
-from sdc_guard.tools.toy_gpt import GPT, CharData, GPTConfig, make_corpus
+from sdc_guard.toy_gpt import GPT, CharData, GPTConfig, make_corpus
 
 
 class Windows(Dataset):
