@@ -172,7 +172,7 @@ def test_screened_sampler_reexecutes_a_tripped_step_and_weights_match_the_clean_
     from sdc_guard.runtime.sampling import Screened
 
     callback = SDCGuardCallback(metrics_port=None, sampler=Screened(warmup=2))
-    fault = GemmFault(site="transformer.h.1.mlp.c_fc", phase="backward", step=3, bit=30, element=(1, 1))
+    fault = GemmFault(site="transformer.h.1.mlp.c_fc", phase="backward", step=3, element=(1, 1))
     trainer = train(callback, tmp_path, faults=(fault,))
     assert [r.verified for r in callback.reports if r.attempt == 0] == [0] * 5
     tripped = [o for o in callback.outcomes if o.tripped_ranks]
