@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.state import AcceleratorState
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 import sdc_guard
@@ -57,7 +59,14 @@ class Recorder(TrainerCallback):
 
 def train(callback: TrainerCallback | None, out: Path, *, steps: int = 5, faults: tuple = (), model=None,
           callbacks: tuple = (), resume: str | None = None, **kwargs: Any) -> Trainer:
-    """One real ``Trainer.train()`` on CPU, with ``faults`` drilled into the model."""
+    """One real ``Trainer.train()`` on CPU, with ``faults`` drilled into the model.
+
+    Each run starts from a fresh accelerate state, as a separate job would: transformers
+    4.47 turns ``bf16=True`` into ``ACCELERATE_MIXED_PRECISION=bf16`` in the environment,
+    and accelerate keeps its state in a process-wide singleton, so one bf16 run left every
+    later Trainer of the process in bf16."""
+    os.environ.pop("ACCELERATE_MIXED_PRECISION", None)
+    AcceleratorState._reset_state(reset_partial_state=True)
     model = model if model is not None else gpt2()
     options: dict[str, Any] = dict(output_dir=str(out), use_cpu=True, max_steps=steps, per_device_train_batch_size=4,
                                    learning_rate=1e-3, report_to=[], save_strategy="no", disable_tqdm=True, seed=0,
