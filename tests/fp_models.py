@@ -20,6 +20,8 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sdc_guard
+# the corpus's token streams and BERT objective are the ones `sdc-guard bench fp --models` runs
+from sdc_guard.tools.bench_models import masked_lm_loss, structured_tokens  # noqa: F401
 
 aten = torch.ops.aten
 
@@ -118,19 +120,6 @@ def build_hf(spec: HFSpec, seed: int = 0) -> nn.Module:
     raise ValueError(f"arch: expected llama, qwen2, mistral, gpt2 or bert, got {spec.arch!r}")
 
 
-def structured_tokens(step: int, batch: int, ctx: int, vocab: int, seed: int = 0) -> Tensor:
-    """``[batch, ctx + 1]`` tokens over the whole vocabulary with structure to learn:
-    ``next = (7 cur + 3) mod vocab`` along a sequence, 10 % of tokens replaced at random."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    seq = torch.empty(batch, ctx + 1, dtype=torch.long)
-    seq[:, 0] = torch.randint(0, vocab, (batch,), generator=gen)
-    for t in range(ctx):
-        seq[:, t + 1] = (7 * seq[:, t] + 3) % vocab
-    noise = torch.rand(batch, ctx + 1, generator=gen) < 0.1
-    seq[noise] = torch.randint(0, vocab, (int(noise.sum()),), generator=gen)
-    return seq
-
-
 def char_tokens(data: "sdc_guard.tools.toy_gpt.CharData", step: int, batch: int, ctx: int) -> Tensor:
     """``[batch, ctx + 1]`` windows of the package's character corpus."""
     x, y = data.batch(step, batch, ctx)
@@ -143,18 +132,6 @@ def causal_lm_loss(model: nn.Module, seq: Tensor) -> Tensor:
     out = model(x)
     logits = out.logits if hasattr(out, "logits") else out
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-
-
-def masked_lm_loss(model: nn.Module, seq: Tensor, step: int, vocab: int) -> Tensor:
-    """BERT's objective: 15 % of positions replaced by token 0 (the mask) and predicted;
-    the others carry label -100, so the head's output gradient has exact zero rows."""
-    x = seq[:, :-1].clone()
-    gen = torch.Generator().manual_seed(77 + step)
-    picked = torch.rand(x.shape, generator=gen) < 0.15
-    labels = torch.where(picked, x, torch.full_like(x, -100))
-    x[picked] = 0
-    logits = model(input_ids=x).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
 # --- the guarded loop -------------------------------------------------------------------

@@ -118,7 +118,7 @@ def test_transformers_model(name: str) -> None:
         return fm.structured_tokens(step, batch, ctx, spec.vocab)
 
     if spec.arch == "bert":
-        loss_of = lambda m, step: fm.masked_lm_loss(m, tokens(step), step, spec.vocab)  # noqa: E731
+        loss_of = lambda m, step: fm.masked_lm_loss(m, tokens(step), step)  # noqa: E731
     else:
         loss_of = lambda m, step: fm.causal_lm_loss(m, tokens(step))  # noqa: E731
     record = fm.train_guarded(f"transformers {name}", model, loss_of, steps, precision=precision, lr=lr)

@@ -372,17 +372,7 @@ class Responder:
             self._respond(outcome, None, rng, grads_before)
             return
         first = _grads(self._params)
-        signatures, rerun_grads = [], []
-        for _ in range(self.policy.reruns):
-            rng.restore()
-            if grads_before is not None:  # None: a replaying closure restores its own
-                _set_grads(self._params, grads_before)
-            self.guard.begin_step(rerun=True)
-            outcome.loss = closure()
-            rerun = self.guard.end_step()
-            outcome.reruns.append(rerun)
-            signatures.append(_signature(rerun))
-            rerun_grads.append(_grads(self._params) if self.policy.reruns > 1 else None)
+        signatures, rerun_grads = self._rerun(outcome, closure, rng, grads_before)
         if any(signatures):
             local = Triage.PERSISTENT if all(s and s == signatures[0] for s in signatures) \
                 else Triage.NON_DETERMINISTIC
@@ -418,6 +408,15 @@ class Responder:
                 grads_before: list[Tensor | None] | None) -> Triage:
         """Re-run the step ``policy.reruns`` times on every rank; classify; agree."""
         original = _signature(outcome.report)
+        signatures, rerun_grads = self._rerun(outcome, closure, rng, grads_before)
+        local = _classify(original, signatures, rerun_grads)
+        return Triage(distributed.agree_max(int(local)))
+
+    def _rerun(self, outcome: StepOutcome, closure: Callable[[], Any], rng: _Rng,
+               grads_before: list[Tensor | None] | None) -> tuple[list[frozenset], list[list[Tensor | None]]]:
+        """Re-run the step ``policy.reruns`` times, every GEMM verified, each from the RNG
+        state and gradients it started from: each re-run's detection signature and, when
+        there are several re-runs to compare, each one's gradients."""
         signatures, rerun_grads = [], []
         for _ in range(self.policy.reruns):
             rng.restore()
@@ -430,8 +429,7 @@ class Responder:
             signatures.append(_signature(rerun))
             if self.policy.reruns > 1:
                 rerun_grads.append(_grads(self._params))
-        local = _classify(original, signatures, rerun_grads)
-        return Triage(distributed.agree_max(int(local)))
+        return signatures, rerun_grads
 
     def _apply(self, action: str, outcome: StepOutcome) -> None:
         if action == "log":
