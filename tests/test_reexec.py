@@ -262,3 +262,46 @@ def test_two_guards_on_one_shared_model_in_two_threads_do_not_cross_talk() -> No
     for r in reports:
         assert r.seen == expected.seen
         assert r.sites_seen == expected.sites_seen
+
+
+def test_lightning_batchnorm_model_with_a_transient_fault_ends_bit_identical(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    from lightning.pytorch import LightningModule, Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from sdc_guard.integrations.lightning import SDCGuard
+
+    class LitBN(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = BNNet()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            xs, ys = zip(*(_batch(i) for i in range(4)))
+            return DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=8, shuffle=False)
+
+    def fit(faults: tuple) -> tuple[LitBN, SDCGuard]:
+        torch.manual_seed(1)
+        module, callback = LitBN(), SDCGuard(metrics_port=None)
+        trainer = Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_progress_bar=False,
+                          enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+                          default_root_dir=tmp_path, callbacks=[callback])
+        with sdc_guard.drill(module, *faults):
+            trainer.fit(module)
+        return module, callback
+
+    clean, _ = fit(())
+    faulty, callback = fit((GemmFault(site="net.fc1", phase="forward", step=1),))
+    hit = [o for o in callback.guard.outcomes if o.classification is not None]
+    assert [(o.step, o.classification, o.action) for o in hit] == [(1, "transient", "recompute")]
+    assert int(faulty.net.bn.num_batches_tracked) == int(clean.net.bn.num_batches_tracked) == 3
+    a, b = _state(clean), _state(faulty)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
