@@ -9,12 +9,13 @@ Megatron-LM's ``rerun_state_machine``; every rank walks it in lockstep::
      |
      +-- some rank flagged: action = policy.on_detection
            log        -> STEP anyway, snapshots tainted             [UNCONFIRMED]
-           skip       -> SKIPPED: gradients dropped, optimizer untouched  [UNCONFIRMED]
+           skip       -> SKIPPED: gradients dropped, optimizer untouched, buffers and
+                         user state put back                            [UNCONFIRMED]
            rollback   -> ROLLED_BACK to the last known-good snapshot      [UNCONFIRMED]
            raise      -> SDCError                                         [UNCONFIRMED]
            exit       -> process exit, EXIT_TRANSIENT                     [UNCONFIRMED]
-           recompute  -> TRIAGE: re-run the closure ``reruns`` times, RNG and gradients
-                         restored, every GEMM verified:
+           recompute  -> TRIAGE: re-run the closure ``reruns`` times, RNG, gradients,
+                         buffers and user state restored (rerun.py), every GEMM verified:
                 re-runs clean (and, if several, bitwise equal) -> TRANSIENT:
                         STEP with the re-run's gradients
                 re-runs flagged exactly like the original       -> PERSISTENT:
