@@ -237,3 +237,31 @@ def test_compiled_argument_is_checked():
     model = MLP()
     model.fc1.compile(backend="aot_eager")  # one compiled submodule is enough
     assert sdc_guard.protect(model).compiled
+
+
+def test_compiled_transformers_gpt2_with_a_fault_drill():
+    from hf_models import gpt2
+
+    model = gpt2()
+    model.config.use_cache = False
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 128, (2, 16), generator=gen)
+
+    def closure():
+        opt.zero_grad()
+        loss = compiled(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        return loss
+
+    fault = GemmFault(site="transformer.h.1.mlp.c_fc", phase="forward", step=1)
+    with drill(compiled, fault) as injector, sdc_guard.protect(compiled) as guard:
+        outcomes = [guard.optimizer_step(opt, closure) for _ in range(2)]
+    clean, hit = outcomes
+    assert clean.classification is None and clean.report.verified == clean.report.seen > 0
+    assert len(injector.injections) == 1
+    assert (hit.classification, hit.action) == ("transient", "recompute")
+    assert [d.site for d in hit.report.detections] == ["transformer.h.1.mlp.c_fc"]
+    # transformers' own logging call breaks the graph (unguarded too); no break is the guard's
+    assert not [k for k in counters["graph_break"] if "sdc_guard" in k or "check_gemm" in k or "Checked" in k]
