@@ -735,7 +735,11 @@ def protect(
     screen's D/T per site over the run in ``guard.screen_stats`` (``sdc_guard.runtime.stats``: how
     far the threshold sits from this model's data); ``screen`` chooses the screen's
     threshold, ``"default"`` or ``"tight"`` (``sdc_guard.core.precision.SCREENS``: the tight one
-    sees smaller errors and suspects more clean products, each cleared exactly).
+    sees smaller errors and suspects more clean products, each cleared exactly);
+    ``compiled`` chooses the route: ``True`` checks the GEMMs inside ``torch.compile``'s
+    graphs (a function mode dynamo traces, docs/COMPILE.md), ``False`` uses the dispatch
+    mode (compiled frames then run eagerly), ``None`` is ``True`` when the model or one of
+    its modules is compiled (pass ``True`` for a compiled function that runs the model).
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     >>> with protect(model) as guard:
