@@ -24,11 +24,13 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.overrides import _get_current_function_mode
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 from .. import backends
 from ..backends import Backend, GemmRequest
 from .cache import WeightCache
+from .function_mode import GemmFunctionMode, is_compiled, set_sink
 from .intercept import GLOBAL_SITE, Gemm, GemmInterceptor, SiteTracker, current_phase, module_hook_seconds, round_trip_seconds
 from ..core.precision import SUPPORTED_DTYPES, check_e_max, check_screen, resolve_screen
 from .ledger import Pending, StepLedger
@@ -99,6 +101,7 @@ class Guard:
         metrics: MetricsSink | None = None,
         stats: bool = False,
         screen: str = "default",
+        compiled: bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -121,6 +124,12 @@ class Guard:
             raise TypeError(f"snapshots: expected a sdc_guard.SnapshotStore, got {type(snapshots).__name__}")
         if not isinstance(stats, bool):
             raise TypeError(f"stats: expected a bool, got {type(stats).__name__}")
+        if compiled is not None and not isinstance(compiled, bool):
+            raise TypeError(f"compiled: expected a bool or None (None: True when the model or one of its "
+                            f"modules is compiled), got {type(compiled).__name__} {compiled!r}")
+        #: the compiled route (docs/COMPILE.md): a function mode dynamo traces, checks inside
+        #: the graphs; else the dispatch mode, which makes dynamo run every frame eagerly
+        self.compiled = compiled if compiled is not None else is_compiled(model)
         #: per-site screen D/T statistics (``protect(stats=True)``), else ``None``
         self.screen_stats: ScreenStats | None = ScreenStats() if stats else None
         if metrics is not None:
@@ -139,7 +148,8 @@ class Guard:
         self.reports: deque[StepReport] = deque(maxlen=history)
         self.rank = rank if rank is not None else _current_rank()
         self._sites = SiteTracker(model)
-        self._mode: GemmInterceptor | None = None
+        self._mode: GemmInterceptor | GemmFunctionMode | None = None
+        self._previous_sink: Any = None  #: the compiled route's sink before ours (nested guards)
         self._active = False  #: interception asked for (activate/deactivate)
         self._watching = True  #: the open step's GEMMs are to be seen (the sampler's call)
         self._watched_last = False  #: the previous step was watched (its writes were observed)
@@ -205,7 +215,8 @@ class Guard:
                 self.cache.set_parameters(self.model.parameters())
                 if not self._watched_last:  # writes in unwatched steps went unobserved
                     self.cache.invalidate()
-            self._sites.start()
+            if not self.compiled:  # compiled graphs know their sites; hooks would recompile them
+                self._sites.start()
         self._watched_last = self._watching
         self._step_open = True
         self._sync_mode()
@@ -394,11 +405,18 @@ class Guard:
         """
         wanted = self._active and self._watching and not self._paused
         if wanted and self._mode is None:
-            self._mode = GemmInterceptor(self)
+            if self.compiled:
+                self._mode = GemmFunctionMode()
+                self._previous_sink = set_sink(self)
+            else:
+                self._mode = GemmInterceptor(self)
             self._mode.__enter__()
         elif not wanted and self._mode is not None and (
-                not self._active or _get_current_dispatch_mode() is self._mode):
+                not self._active or self._mode in (_get_current_dispatch_mode(), _get_current_function_mode())):
             self._mode.__exit__(None, None, None)
+            if self.compiled:
+                set_sink(self._previous_sink)
+                self._previous_sink = None
             self._ledger.ops += self._mode.ops
             self._mode = None
 
@@ -463,13 +481,15 @@ class Guard:
                     self.cache.refresh()
         self.charge(time.perf_counter() - started)  # a cost of the guard, often between steps
 
-    def on_gemm(self, gemm: Gemm) -> None:
-        """Called by the dispatch mode for every GEMM: sample, verify, keep flags on device."""
+    def on_gemm(self, gemm: Gemm, site: str | None = None, phase: str | None = None) -> None:
+        """Called by the dispatch mode (or the compiled route's ``check_gemm``, with the
+        site and phase it knew at trace time) for every GEMM: sample, verify, keep flags
+        on device."""
         if not self._watching:
             return
         started = time.perf_counter()
         try:
-            self._on_gemm(gemm)
+            self._on_gemm(gemm, site, phase)
         finally:
             self._ledger.hook_seconds += time.perf_counter() - started
 
@@ -484,9 +504,9 @@ class Guard:
             return not guards  # no guard registered on this thread: an autograd worker
         return not any(g._sites.inside() for g in guards[1:])
 
-    def _on_gemm(self, gemm: Gemm) -> None:
-        phase = current_phase()
-        site_name = self._sites.site(gemm.out, (gemm.a, gemm.b))
+    def _on_gemm(self, gemm: Gemm, module: str | None = None, phase: str | None = None) -> None:
+        phase = phase or current_phase()
+        site_name = module if module is not None else self._sites.site(gemm.out, (gemm.a, gemm.b))
         if site_name == GLOBAL_SITE and not self.owns_outside_gemm():
             return  # another guarded model's GEMM
         kind: KindKey = (gemm.op, phase, str(gemm.a.dtype).removeprefix("torch."))
@@ -731,6 +751,7 @@ def protect(
     cache_bytes: int = 512 << 20,
     stats: bool = False,
     screen: str = "default",
+    compiled: bool | None = None,
 ) -> Guard:
     """Verify the GEMMs ``model`` runs inside the block, forward and backward.
 
@@ -748,7 +769,11 @@ def protect(
     screen's D/T per site over the run in ``guard.screen_stats`` (``sdc_guard.runtime.stats``: how
     far the threshold sits from this model's data); ``screen`` chooses the screen's
     threshold, ``"default"`` or ``"tight"`` (``sdc_guard.core.precision.SCREENS``: the tight one
-    sees smaller errors and suspects more clean products, each cleared exactly).
+    sees smaller errors and suspects more clean products, each cleared exactly);
+    ``compiled`` chooses the route: ``True`` checks the GEMMs inside ``torch.compile``'s
+    graphs (a function mode dynamo traces, docs/COMPILE.md), ``False`` uses the dispatch
+    mode (compiled frames then run eagerly), ``None`` is ``True`` when the model or one of
+    its modules is compiled (pass ``True`` for a compiled function that runs the model).
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     >>> with protect(model) as guard:
@@ -758,4 +783,4 @@ def protect(
     """
     return Guard(model, sampler=sampler, e_max=e_max, backend=backend, history=history,
                  cache_bytes=cache_bytes, policy=policy, snapshots=snapshots, metrics=metrics, stats=stats,
-                 screen=screen)
+                 screen=screen, compiled=compiled)

@@ -28,8 +28,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 
+from .function_mode import add_drill, function_mode_active, remove_drill
 from .guard import current_step
-from .intercept import GEMM_HANDLERS, GemmInterceptor, SiteTracker, current_phase
+from .intercept import GEMM_HANDLERS, GLOBAL_SITE, GemmInterceptor, SiteTracker, current_phase
 
 _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 _TOP_EXPONENT_BIT = {torch.float32: 30, torch.float16: 14, torch.bfloat16: 14}
@@ -183,8 +184,19 @@ class FaultInjector(TorchDispatchMode):
         self._count_step = -1
         self._positions: dict[tuple[int, int], tuple[int, ...]] = {}  #: element of each sticky fault
 
+    #: a compiled graph run under the drill calls higher-order operators (auto_functionalized
+    #: around the in-graph checks): they pass through unchanged
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let dynamo compile under a drill: on the compiled route the drill corrupts each
+        GEMM's output where the in-graph check reads it (``_at_check``), so compiled
+        frames must compile for it to test what runs (docs/COMPILE.md)."""
+        return True
+
     def __enter__(self) -> "FaultInjector":
-        if any(isinstance(m, GemmInterceptor) for m in _get_current_dispatch_mode_stack()):
+        if any(isinstance(m, GemmInterceptor) for m in _get_current_dispatch_mode_stack()) or function_mode_active():
             raise RuntimeError(
                 "drill(): enter the injector before protect(), e.g. "
                 "`with drill(model, fault), protect(model):`; inside protect() the guard "
@@ -193,10 +205,12 @@ class FaultInjector(TorchDispatchMode):
         for fault in self.faults:
             check_site(self.model, fault.site)
         self._sites.start()
+        add_drill(self._at_check)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
+        remove_drill(self._at_check)
         self._sites.stop()
 
     def remove(self, fault: GemmFault) -> None:
@@ -204,17 +218,31 @@ class FaultInjector(TorchDispatchMode):
         self.faults = [f for f in self.faults if f is not fault]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if isinstance(func, torch._ops.HigherOrderOperator):  # a compiled graph's (auto_functionalized)
+            return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
+        if function_mode_active():  # the compiled route: corrupted at its check (_at_check)
+            return out
         packet = func.overloadpacket
         if packet in GEMM_HANDLERS and func is packet.default and isinstance(out, Tensor) and out.dtype in _INT_VIEW:
             self._maybe_corrupt(str(packet).split(".")[-1], out, args)
         return out
 
-    def _maybe_corrupt(self, op: str, out: Tensor, args: tuple) -> None:
+    def _at_check(self, op: str, out: Tensor, site: str, phase: str) -> None:
+        """The compiled route's injection point (``function_mode.check_gemm``): corrupt
+        ``out`` in place just before the in-graph check reads it, as a faulty unit would
+        have written it; ``site`` and ``phase`` are those the graph was traced with."""
+        if out.dtype in _INT_VIEW:
+            self._maybe_corrupt(op, out, (), site=site or GLOBAL_SITE, phase=phase)
+
+    def _maybe_corrupt(self, op: str, out: Tensor, args: tuple, *, site: str | None = None,
+                       phase: str | None = None) -> None:
         step = current_step(self.model)
         if step != self._count_step:
             self._counts, self._count_step = {}, step
-        site, phase = self._sites.site(out, tuple(a for a in args if isinstance(a, Tensor))), current_phase()
+        if site is None:
+            site = self._sites.site(out, tuple(a for a in args if isinstance(a, Tensor)))
+        phase = phase or current_phase()
         for i, fault in enumerate(self.faults):
             key = id(fault)
             if key in self._spent or not _matches(fault, site, op, phase, step):
@@ -241,6 +269,7 @@ class FaultInjector(TorchDispatchMode):
 def sites_of(model: nn.Module) -> list[str]:
     """The sites ``model``'s GEMMs can have: its module paths, its class name (the model
     itself) and ``"global"`` (a GEMM outside every module)."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile(model): the sites are the model's
     root = type(model).__name__
     return [name or root for name, _ in model.named_modules()] + ["global"]
 
