@@ -145,6 +145,7 @@ class SiteTracker:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._key = f"sdc_guard.site.{id(self)}"  #: node metadata key (one per tracker)
+        self._stack: list[str] = []  #: running modules on the thread that called ``start``
         self._stacks: dict[int, list[str]] = {}  #: running modules, per thread
         self._hooks: list[Any] = []
         self._pending: list[tuple[Tensor, str]] = []  #: forward outputs awaiting their grad_fn
@@ -153,6 +154,7 @@ class SiteTracker:
     def start(self) -> None:
         """Install the module hooks (once per step: modules added since are seen too)."""
         self.stop()
+        self._stacks[threading.get_ident()] = self._stack
         root = type(self.model).__name__
         for name, module in self.model.named_modules():
             self._hooks.append(module.register_forward_pre_hook(self._pusher(name or root)))
@@ -162,17 +164,26 @@ class SiteTracker:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self._stack.clear()
         self._stacks.clear()
         self._pending.clear()
 
     def _pusher(self, name: str) -> Callable[..., None]:
         def push(module: nn.Module, args: Any) -> None:
             self.calls += 1
-            self._stacks.setdefault(threading.get_ident(), []).append(name)
+            self._thread_stack().append(name)
         return push
 
+    def _thread_stack(self) -> list[str]:
+        """The calling thread's stack. In a frame dynamo traces, the starting thread's:
+        dynamo cannot trace ``threading.get_ident`` without a graph break, and a
+        compiled frame's sites are known at trace time anyway."""
+        if torch.compiler.is_compiling():
+            return self._stack
+        return self._stacks.setdefault(threading.get_ident(), [])
+
     def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
-        stack = self._stacks.get(threading.get_ident())
+        stack = self._thread_stack()
         if stack:
             stack.pop()
 
