@@ -14,6 +14,7 @@ warns once, counts the GEMM as unverified, and never stops training.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -30,14 +31,27 @@ from .. import backends
 from ..backends import Backend, GemmRequest
 from .cache import WeightCache
 from .function_mode import GemmFunctionMode, is_compiled, set_sink
-from .intercept import Gemm, GemmInterceptor, SiteTracker, current_phase, module_hook_seconds, round_trip_seconds
+from .intercept import GLOBAL_SITE, Gemm, GemmInterceptor, SiteTracker, current_phase, module_hook_seconds, round_trip_seconds
 from ..core.precision import SUPPORTED_DTYPES, check_e_max, check_screen, resolve_screen
 from .ledger import Pending, StepLedger
 from .report import KindKey, StepReport
-from ..respond.policy import Policy, Responder, StepOutcome
+from ..respond.outcome import StepOutcome
+from ..respond.policy import Policy
+from ..respond.responder import Responder
 from .sampling import Full, GradientScreen, Sampler, SiteKey, check_sampler, sampler_screens, sampler_watches
 from ..respond.snapshot import SnapshotStore
 from .stats import ScreenStats
+
+#: The guards active on each thread, outermost first (``Guard.owns_outside_gemm``).
+_thread_guards = threading.local()
+
+
+def _active_guards() -> list["Guard"]:
+    guards = getattr(_thread_guards, "guards", None)
+    if guards is None:
+        guards = _thread_guards.guards = []
+    return guards
+
 
 #: Next step number per model, so per-step ``protect()`` blocks continue one schedule.
 _next_step: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
@@ -217,8 +231,12 @@ class Guard:
         else:
             self._carry += seconds
 
-    def end_step(self) -> StepReport:
-        """Close the open step: read its flags (one host sync) and report it."""
+    def end_step(self, *, closure_raised: bool = False) -> StepReport:
+        """Close the open step: read its flags (one host sync) and report it.
+        ``closure_raised``: ``optimizer_step``'s closure raised (the step was not screened
+        for that reason, not for a missing ``optimizer_step``)."""
+        if closure_raised:
+            self._screen_tried = True
         report = self._close_step(keep_empty=True)
         assert report is not None
         return report
@@ -359,6 +377,7 @@ class Guard:
         if self._active:
             raise RuntimeError("this Guard is already active")
         self._active = True
+        _active_guards().append(self)
         self.cache.invalidate()  # whatever was written while inactive went unobserved
         self._optimizers.install()
         self._sync_mode()
@@ -366,6 +385,9 @@ class Guard:
     def deactivate(self) -> None:
         """Stop intercepting; an open step stays open."""
         self._active = False
+        guards = _active_guards()
+        if self in guards:
+            guards.remove(self)
         self._optimizers.remove()
         self._sync_mode()
 
@@ -471,16 +493,28 @@ class Guard:
         finally:
             self._ledger.hook_seconds += time.perf_counter() - started
 
+    def owns_outside_gemm(self) -> bool:
+        """Whether a GEMM running outside this guard's model is accounted here: only by
+        the outermost guard active on this thread, and only if no other active guard
+        there places it inside its own model. So each guard accounts the GEMMs of its
+        own model (nested guards both account the inner model's), and a GEMM outside
+        every guarded model (a loss's matmul) is accounted once, by the outermost."""
+        guards = _active_guards()
+        if not guards or guards[0] is not self:
+            return not guards  # no guard registered on this thread: an autograd worker
+        return not any(g._sites.inside() for g in guards[1:])
+
     def _on_gemm(self, gemm: Gemm, module: str | None = None, phase: str | None = None) -> None:
         phase = phase or current_phase()
+        site_name = module if module is not None else self._sites.site(gemm.out, (gemm.a, gemm.b))
+        if site_name == GLOBAL_SITE and not self.owns_outside_gemm():
+            return  # another guarded model's GEMM
         kind: KindKey = (gemm.op, phase, str(gemm.a.dtype).removeprefix("torch."))
         call_index = self._ledger.see(kind)
         if not _verifiable(gemm):
             self.on_unverified(f"{gemm.op}[{kind[2]}]")
             return
-        if module is None:
-            module = self._sites.site(gemm.out, (gemm.a, gemm.b))
-        site: SiteKey = (module, phase, gemm.op)
+        site: SiteKey = (site_name, phase, gemm.op)
         self._ledger.sites_seen.add(site)
         if self._attempt == 0 and not self.sampler.should_verify(site):
             return

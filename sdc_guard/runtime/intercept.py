@@ -17,6 +17,7 @@ the encoding of its good value (``sdc_guard.runtime.cache``).
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -135,12 +136,17 @@ class SiteTracker:
     multi-grad hooks cost about 4 % of a small model's CPU step, as much as the dispatch
     mode itself. A GEMM in the backward of a custom ``autograd.Function`` (no forward GEMM
     of its own) is attributed to ``"global"``.
+
+    Module hooks fire on every thread that calls the model, so the stack of running
+    modules is kept per thread: two guards on one shared model in two threads (each
+    guard's dispatch mode sees only its own thread) never see each other's modules.
     """
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._key = f"sdc_guard.site.{id(self)}"  #: node metadata key (one per tracker)
-        self._stack: list[str] = []
+        self._stack: list[str] = []  #: running modules on the thread that called ``start``
+        self._stacks: dict[int, list[str]] = {}  #: running modules, per thread
         self._hooks: list[Any] = []
         self._pending: list[tuple[Tensor, str]] = []  #: forward outputs awaiting their grad_fn
         self.calls = 0  #: module calls that ran the hooks (each paid ``module_hook_seconds``)
@@ -148,6 +154,7 @@ class SiteTracker:
     def start(self) -> None:
         """Install the module hooks (once per step: modules added since are seen too)."""
         self.stop()
+        self._stacks[threading.get_ident()] = self._stack
         root = type(self.model).__name__
         for name, module in self.model.named_modules():
             self._hooks.append(module.register_forward_pre_hook(self._pusher(name or root)))
@@ -158,17 +165,27 @@ class SiteTracker:
             handle.remove()
         self._hooks.clear()
         self._stack.clear()
+        self._stacks.clear()
         self._pending.clear()
 
     def _pusher(self, name: str) -> Callable[..., None]:
         def push(module: nn.Module, args: Any) -> None:
             self.calls += 1
-            self._stack.append(name)
+            self._thread_stack().append(name)
         return push
 
+    def _thread_stack(self) -> list[str]:
+        """The calling thread's stack. In a frame dynamo traces, the starting thread's:
+        dynamo cannot trace ``threading.get_ident`` without a graph break, and a
+        compiled frame's sites are known at trace time anyway."""
+        if torch.compiler.is_compiling():
+            return self._stack
+        return self._stacks.setdefault(threading.get_ident(), [])
+
     def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._stack:
-            self._stack.pop()
+        stack = self._thread_stack()
+        if stack:
+            stack.pop()
 
     def _label_pending(self) -> None:
         """Write the site of each forward GEMM seen into its (now attached) autograd node."""
@@ -178,15 +195,28 @@ class SiteTracker:
                 node.metadata[self._key] = site
         self._pending.clear()
 
+    def inside(self) -> bool:
+        """Whether the GEMM running now on this thread is the model's: inside one of its
+        modules' forward, or in the backward of one of its forward GEMMs."""
+        if self._pending:
+            self._label_pending()
+        if self._stacks.get(threading.get_ident()):
+            return True
+        if torch._C._current_graph_task_id() == -1:
+            return False
+        node = torch._C._current_autograd_node()
+        return node is not None and node.metadata.get(self._key, GLOBAL_SITE) != GLOBAL_SITE
+
     def site(self, out: Tensor, operands: tuple[Tensor, ...]) -> str:
         """The site of the GEMM that produced ``out`` from ``operands`` (see the class doc)."""
         if self._pending:
             self._label_pending()
-        if not self._stack and torch._C._current_graph_task_id() != -1:  # a backward GEMM
+        stack = self._stacks.get(threading.get_ident())
+        if not stack and torch._C._current_graph_task_id() != -1:  # a backward GEMM
             node = torch._C._current_autograd_node()
             return node.metadata.get(self._key, GLOBAL_SITE) if node is not None else GLOBAL_SITE
         # a forward, or one recomputed by activation checkpointing during backward
-        site = self._stack[-1] if self._stack else GLOBAL_SITE
+        site = stack[-1] if stack else GLOBAL_SITE
         if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
             self._pending.append((out, site))
         return site
