@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from .guard import current_step
 from .intercept import GEMM_HANDLERS, GemmInterceptor, SiteTracker, current_phase
+from .ops import Route, RoutingMode
 
 _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 _TOP_EXPONENT_BIT = {torch.float32: 30, torch.float16: 14, torch.bfloat16: 14}
@@ -158,7 +159,7 @@ def _random_element(shape: torch.Size, rng: random.Random) -> tuple[int, ...]:
     return tuple(rng.randrange(s) for s in shape)
 
 
-class FaultInjector(TorchDispatchMode):
+class FaultInjector(RoutingMode):
     """Dispatch mode applying ``faults`` to the GEMMs of ``model``; see the module doc.
 
     ``injections`` lists what was done, in order.
@@ -203,12 +204,11 @@ class FaultInjector(TorchDispatchMode):
         """Stop applying ``fault`` (a replaced node no longer has the faulty unit)."""
         self.faults = [f for f in self.faults if f is not fault]
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        packet = func.overloadpacket
-        if packet in GEMM_HANDLERS and func is packet.default and isinstance(out, Tensor) and out.dtype in _INT_VIEW:
-            self._maybe_corrupt(str(packet).split(".")[-1], out, args)
-        return out
+    def after(self, func: Any, route: Route, args: tuple, kwargs: dict, out: Any) -> None:
+        """Routed like the guard's mode (``sdc_guard.runtime.ops``): the GEMMs inside composite
+        ops and the eager bodies of ``torch.cond`` and flex attention are drilled too."""
+        if route is Route.GEMM and isinstance(out, Tensor) and out.dtype in _INT_VIEW:
+            self._maybe_corrupt(str(func.overloadpacket).split(".")[-1], out, args)
 
     def _maybe_corrupt(self, op: str, out: Tensor, args: tuple) -> None:
         step = current_step(self.model)
