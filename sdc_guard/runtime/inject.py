@@ -26,11 +26,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
 from .function_mode import add_drill, function_mode_active, remove_drill
 from .guard import current_step
 from .intercept import GEMM_HANDLERS, GLOBAL_SITE, GemmInterceptor, SiteTracker, current_phase
+from .ops import Route, RoutingMode
 
 _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 _TOP_EXPONENT_BIT = {torch.float32: 30, torch.float16: 14, torch.bfloat16: 14}
@@ -159,7 +160,7 @@ def _random_element(shape: torch.Size, rng: random.Random) -> tuple[int, ...]:
     return tuple(rng.randrange(s) for s in shape)
 
 
-class FaultInjector(TorchDispatchMode):
+class FaultInjector(RoutingMode):
     """Dispatch mode applying ``faults`` to the GEMMs of ``model``; see the module doc.
 
     ``injections`` lists what was done, in order.
@@ -183,10 +184,6 @@ class FaultInjector(TorchDispatchMode):
         self._counts: dict[int, int] = {}
         self._count_step = -1
         self._positions: dict[tuple[int, int], tuple[int, ...]] = {}  #: element of each sticky fault
-
-    #: a compiled graph run under the drill calls higher-order operators (auto_functionalized
-    #: around the in-graph checks): they pass through unchanged
-    supports_higher_order_operators = True
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -217,16 +214,14 @@ class FaultInjector(TorchDispatchMode):
         """Stop applying ``fault`` (a replaced node no longer has the faulty unit)."""
         self.faults = [f for f in self.faults if f is not fault]
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if isinstance(func, torch._ops.HigherOrderOperator):  # a compiled graph's (auto_functionalized)
-            return func(*args, **(kwargs or {}))
-        out = func(*args, **(kwargs or {}))
-        if function_mode_active():  # the compiled route: corrupted at its check (_at_check)
-            return out
-        packet = func.overloadpacket
-        if packet in GEMM_HANDLERS and func is packet.default and isinstance(out, Tensor) and out.dtype in _INT_VIEW:
-            self._maybe_corrupt(str(packet).split(".")[-1], out, args)
-        return out
+    def after(self, func: Any, route: Route, args: tuple, kwargs: dict, out: Any) -> None:
+        """Routed like the guard's mode (``sdc_guard.runtime.ops``): the GEMMs inside composite
+        ops and the eager bodies of ``torch.cond`` and flex attention are drilled too. On the
+        compiled route the drill corrupts at the in-graph check instead (``_at_check``)."""
+        if function_mode_active():
+            return
+        if route is Route.GEMM and isinstance(out, Tensor) and out.dtype in _INT_VIEW:
+            self._maybe_corrupt(str(func.overloadpacket).split(".")[-1], out, args)
 
     def _at_check(self, op: str, out: Tensor, site: str, phase: str) -> None:
         """The compiled route's injection point (``function_mode.check_gemm``): corrupt
