@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 
+from .attention import ATTENTION_HANDLERS, BACKWARD_OP, FORWARD_OP, fault_target, op_name
 from .guard import current_step
 from .intercept import GEMM_HANDLERS, GemmInterceptor, SiteTracker, current_phase
 
@@ -51,6 +52,10 @@ class GemmFault:
     highest exponent bit and ``direction`` to ``"on"`` (0 -> 1; ``"off"`` is 1 -> 0,
     ``"flip"`` toggles). A bit already in the requested state leaves the value unchanged
     and the event is recorded as a no-op.
+
+    Fused attention (``scaled_dot_product_attention``'s kernels) is targeted with
+    ``op="sdpa"`` (the forward output ``O``, ``[B, H, L, Dv]``) or ``op="sdpa_backward"``
+    with ``output`` 0 (grad_query, the default), 1 (grad_key) or 2 (grad_value).
     """
 
     site: str | None = None
@@ -62,6 +67,7 @@ class GemmFault:
     bit: int | None = None
     direction: str = "on"
     sticky: bool = False
+    output: int | None = None
 
     def __post_init__(self) -> None:
         if self.site is not None and (not isinstance(self.site, str) or not self.site):
@@ -70,9 +76,12 @@ class GemmFault:
             raise ValueError(f"direction: expected one of {DIRECTIONS}, got {self.direction!r}")
         if self.phase not in (None, "forward", "backward"):
             raise ValueError(f"phase: expected 'forward', 'backward' or None, got {self.phase!r}")
-        ops = sorted({str(p).split(".")[-1] for p in GEMM_HANDLERS})
+        ops = sorted({str(p).split(".")[-1] for p in GEMM_HANDLERS}) + [FORWARD_OP, BACKWARD_OP]
         if self.op is not None and (not isinstance(self.op, str) or self.op not in ops):
             raise ValueError(f"op: expected a GEMM op such as 'mm' or 'addmm' ({', '.join(ops)}), got {self.op!r}")
+        if self.output is not None and (isinstance(self.output, bool) or self.output not in (0, 1, 2)):
+            raise ValueError(f"output: expected 0 (grad_query), 1 (grad_key), 2 (grad_value) or None, "
+                             f"got {self.output!r}")
         for name in ("step", "call", "bit"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -208,16 +217,29 @@ class FaultInjector(TorchDispatchMode):
         packet = func.overloadpacket
         if packet in GEMM_HANDLERS and func is packet.default and isinstance(out, Tensor) and out.dtype in _INT_VIEW:
             self._maybe_corrupt(str(packet).split(".")[-1], out, args)
+        elif packet in ATTENTION_HANDLERS and func is packet.default:
+            self._maybe_corrupt_attention(packet, out, args)
         return out
 
-    def _maybe_corrupt(self, op: str, out: Tensor, args: tuple) -> None:
+    def _maybe_corrupt_attention(self, packet: Any, out: Any, args: tuple) -> None:
+        """A fused attention call: its output (forward) or one gradient (backward) per
+        fault, chosen by ``GemmFault.output``."""
+        op = op_name(packet)
+        for fault in self.faults:
+            if fault.op != op:
+                continue
+            target = fault_target(packet, out, fault.output)
+            if target is not None and target.dtype in _INT_VIEW:
+                self._maybe_corrupt(op, target, args, only=fault)
+
+    def _maybe_corrupt(self, op: str, out: Tensor, args: tuple, only: GemmFault | None = None) -> None:
         step = current_step(self.model)
         if step != self._count_step:
             self._counts, self._count_step = {}, step
         site, phase = self._sites.site(out, tuple(a for a in args if isinstance(a, Tensor))), current_phase()
         for i, fault in enumerate(self.faults):
             key = id(fault)
-            if key in self._spent or not _matches(fault, site, op, phase, step):
+            if key in self._spent or (only is not None and fault is not only) or not _matches(fault, site, op, phase, step):
                 continue
             call = self._counts.get(key, 0)
             self._counts[key] = call + 1

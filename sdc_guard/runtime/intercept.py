@@ -26,6 +26,8 @@ from torch import Tensor
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .attention import ATTENTION_HANDLERS, AttentionCall
+
 aten = torch.ops.aten
 
 GLOBAL_SITE = "global"
@@ -264,6 +266,7 @@ class GemmSink(Protocol):
     """What the mode reports to (the ``Guard``)."""
 
     def on_gemm(self, gemm: Gemm) -> None: ...
+    def on_attention(self, call: AttentionCall) -> None: ...
     def on_unverified(self, op: str) -> None: ...
     def on_write(self, tensors: list[Tensor]) -> None: ...
 
@@ -307,6 +310,8 @@ class GemmInterceptor(TorchDispatchMode):
         # and this lookup runs for every aten op of the model (built per activation, so
         # a handler added to GEMM_HANDLERS since is seen).
         self._handlers = {id(packet.default): handler for packet, handler in GEMM_HANDLERS.items()}
+        # fused attention: one handler per SDPA kernel (sdc_guard.runtime.attention)
+        self._handlers.update({id(packet.default): handler for packet, handler in ATTENTION_HANDLERS.items()})
         self._unverified = {
             id(getattr(packet, name))
             for packet in (*GEMM_HANDLERS, *UNVERIFIED_GEMM_OPS)
@@ -329,6 +334,9 @@ class GemmInterceptor(TorchDispatchMode):
         handler = self._handlers.get(key)
         if handler is not None:
             gemm = handler(args, kwargs, out)
+            if isinstance(gemm, AttentionCall):
+                self.sink.on_attention(gemm)
+                return out
             if gemm is not None:
                 self.sink.on_gemm(gemm)
                 return out
