@@ -67,3 +67,26 @@ def test_drilled_attention_fault_is_confirmed(op, output) -> None:
         model(torch.randn(2, 16, 32)).sum().backward()
     (d,) = [x for x in guard.last_report.detections if x.op == op]
     assert (d.site, d.phase, d.segments) == ("0", "forward" if op == "sdpa" else "backward", [output or 0])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "bert"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_transformers_sdpa_trains_clean(arch, precision) -> None:
+    pytest.importorskip("transformers")
+    from sdc_guard.tools.bench_models import build
+
+    work = build(f"hf:{arch}", attn="sdpa")
+    work.model.eval()  # no dropout: the fused kernel runs (dropout takes the math path on CPU)
+    opt = torch.optim.AdamW(work.model.parameters(), lr=1e-3)
+    with sdc_guard.protect(work.model, policy=sdc_guard.Policy(on_detection="log")) as guard:
+        for step in range(2):
+            def closure(step: int = step) -> torch.Tensor:
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                    loss = work.loss_of(work.model, step)
+                loss.backward()
+                return loss.detach()
+            outcome = guard.optimizer_step(opt, closure)
+            r = outcome.report
+            assert (r.flagged, r.screen_misses) == (0, 0)
+            assert r.attention_checks == 4 and not any("sdpa" in op or "flash" in op for op in r.unverified_ops)
