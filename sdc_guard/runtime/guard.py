@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 
 from .. import backends
 from ..backends import Backend, GemmRequest
+from .attention import AttentionCall, verify as verify_attention
 from .cache import WeightCache
 from .function_mode import GemmFunctionMode, is_compiled, set_sink
 from .intercept import GLOBAL_SITE, Gemm, GemmInterceptor, SiteTracker, current_phase, module_hook_seconds, round_trip_seconds
@@ -534,6 +535,40 @@ class Guard:
         elapsed = self._ledger.clock.stop(device, started)
         shape = (*gemm.out.shape[:-2], gemm.a.shape[-2], gemm.a.shape[-1], gemm.b.shape[-1])
         self._ledger.record(Pending(site, kind, call_index, shape, gemm.a.dtype, sdc, summary), elapsed)
+
+    def on_attention(self, call: AttentionCall) -> None:
+        """Called by the dispatch mode for every fused attention call (``sdpa`` forward,
+        ``sdpa_backward``): counted, sampled and verified like a GEMM, at the site of the
+        module that ran it (sdc_guard.runtime.attention, docs/ATTENTION.md)."""
+        if not self._watching:
+            return
+        started = time.perf_counter()
+        try:
+            phase = current_phase()
+            kind: KindKey = (call.op, phase, str(call.dtype).removeprefix("torch.") if call.out is not None else "?")
+            call_index = self._ledger.see(kind)
+            if call.operands is None:
+                self.on_unverified(f"{call.kernel}[{call.reason}]")
+                return
+            ops = call.operands
+            site: SiteKey = (self._sites.site(call.site_tensor, (ops.q, ops.k, ops.v)), phase, call.op)
+            self._ledger.sites_seen.add(site)
+            if self._attempt == 0 and not self.sampler.should_verify(site):
+                return
+            device = call.site_tensor.device
+            began = self._ledger.clock.start(device)
+            try:
+                with _disable_current_modes():
+                    sdc, summary = verify_attention(call)
+            except Exception as exc:  # a monitoring failure never stops training
+                self._warn_once(f"verify:{type(exc).__name__}", f"sdc_guard: could not verify an {call.op} call "
+                                f"({type(exc).__name__}: {exc}); counting it as unverified")
+                self.on_unverified(call.kernel)
+                return
+            elapsed = self._ledger.clock.stop(device, began)
+            self._ledger.record(Pending(site, kind, call_index, call.shape, call.dtype, sdc, summary), elapsed)
+        finally:
+            self._ledger.hook_seconds += time.perf_counter() - started
 
     def _verify(self, gemm: Gemm) -> tuple[Tensor | None, Tensor | list[float]]:
         key = (gemm.a.device, gemm.a.dtype)

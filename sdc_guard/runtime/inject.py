@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
+from .attention import ATTENTION_HANDLERS, BACKWARD_OP, FORWARD_OP, fault_target, op_name
 from .function_mode import add_drill, function_mode_active, remove_drill
 from .guard import current_step
 from .intercept import GEMM_HANDLERS, GLOBAL_SITE, GemmInterceptor, SiteTracker, current_phase
@@ -53,6 +54,10 @@ class GemmFault:
     highest exponent bit and ``direction`` to ``"on"`` (0 -> 1; ``"off"`` is 1 -> 0,
     ``"flip"`` toggles). A bit already in the requested state leaves the value unchanged
     and the event is recorded as a no-op.
+
+    Fused attention (``scaled_dot_product_attention``'s kernels) is targeted with
+    ``op="sdpa"`` (the forward output ``O``, ``[B, H, L, Dv]``) or ``op="sdpa_backward"``
+    with ``output`` 0 (grad_query, the default), 1 (grad_key) or 2 (grad_value).
     """
 
     site: str | None = None
@@ -64,6 +69,7 @@ class GemmFault:
     bit: int | None = None
     direction: str = "on"
     sticky: bool = False
+    output: int | None = None
 
     def __post_init__(self) -> None:
         if self.site is not None and (not isinstance(self.site, str) or not self.site):
@@ -72,9 +78,12 @@ class GemmFault:
             raise ValueError(f"direction: expected one of {DIRECTIONS}, got {self.direction!r}")
         if self.phase not in (None, "forward", "backward"):
             raise ValueError(f"phase: expected 'forward', 'backward' or None, got {self.phase!r}")
-        ops = sorted({str(p).split(".")[-1] for p in GEMM_HANDLERS})
+        ops = sorted({str(p).split(".")[-1] for p in GEMM_HANDLERS}) + [FORWARD_OP, BACKWARD_OP]
         if self.op is not None and (not isinstance(self.op, str) or self.op not in ops):
             raise ValueError(f"op: expected a GEMM op such as 'mm' or 'addmm' ({', '.join(ops)}), got {self.op!r}")
+        if self.output is not None and (isinstance(self.output, bool) or self.output not in (0, 1, 2)):
+            raise ValueError(f"output: expected 0 (grad_query), 1 (grad_key), 2 (grad_value) or None, "
+                             f"got {self.output!r}")
         for name in ("step", "call", "bit"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -216,12 +225,27 @@ class FaultInjector(RoutingMode):
 
     def after(self, func: Any, route: Route, args: tuple, kwargs: dict, out: Any) -> None:
         """Routed like the guard's mode (``sdc_guard.runtime.ops``): the GEMMs inside composite
-        ops and the eager bodies of ``torch.cond`` and flex attention are drilled too. On the
-        compiled route the drill corrupts at the in-graph check instead (``_at_check``)."""
+        ops and the eager bodies of ``torch.cond`` and flex attention are drilled too, and
+        fused attention kernels (``op="sdpa"`` / ``"sdpa_backward"``). On the compiled route
+        the drill corrupts at the in-graph check instead (``_at_check``)."""
         if function_mode_active():
             return
         if route is Route.GEMM and isinstance(out, Tensor) and out.dtype in _INT_VIEW:
             self._maybe_corrupt(str(func.overloadpacket).split(".")[-1], out, args)
+        elif route is Route.ATTENTION and func.overloadpacket in ATTENTION_HANDLERS \
+                and func is func.overloadpacket.default:
+            self._maybe_corrupt_attention(func.overloadpacket, out, args)
+
+    def _maybe_corrupt_attention(self, packet: Any, out: Any, args: tuple) -> None:
+        """A fused attention call: its output (forward) or one gradient (backward) per
+        fault, chosen by ``GemmFault.output``."""
+        op = op_name(packet)
+        for fault in self.faults:
+            if fault.op != op:
+                continue
+            target = fault_target(packet, out, fault.output)
+            if target is not None and target.dtype in _INT_VIEW:
+                self._maybe_corrupt(op, target, args, only=fault)
 
     def _at_check(self, op: str, out: Tensor, site: str, phase: str) -> None:
         """The compiled route's injection point (``function_mode.check_gemm``): corrupt
@@ -231,7 +255,7 @@ class FaultInjector(RoutingMode):
             self._maybe_corrupt(op, out, (), site=site or GLOBAL_SITE, phase=phase)
 
     def _maybe_corrupt(self, op: str, out: Tensor, args: tuple, *, site: str | None = None,
-                       phase: str | None = None) -> None:
+                       phase: str | None = None, only: GemmFault | None = None) -> None:
         step = current_step(self.model)
         if step != self._count_step:
             self._counts, self._count_step = {}, step
@@ -240,7 +264,7 @@ class FaultInjector(RoutingMode):
         phase = phase or current_phase()
         for i, fault in enumerate(self.faults):
             key = id(fault)
-            if key in self._spent or not _matches(fault, site, op, phase, step):
+            if key in self._spent or (only is not None and fault is not only) or not _matches(fault, site, op, phase, step):
                 continue
             call = self._counts.get(key, 0)
             self._counts[key] = call + 1

@@ -26,6 +26,7 @@ from torch import Tensor
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .attention import ATTENTION_HANDLERS, AttentionCall
 from .ops import (  # noqa: F401  (the registry's former home: these names stay importable here)
     ATTENTION_OPS, GEMM_HANDLERS, UNVERIFIED_GEMM_OPS, Gemm, Handler, Route, RoutingMode,
 )
@@ -215,6 +216,7 @@ class GemmSink(Protocol):
     """What the mode reports to (the ``Guard``)."""
 
     def on_gemm(self, gemm: Gemm) -> None: ...
+    def on_attention(self, call: AttentionCall) -> None: ...
     def on_unverified(self, op: str) -> None: ...
     def on_write(self, tensors: list[Tensor]) -> None: ...
 
@@ -258,6 +260,8 @@ class GemmInterceptor(RoutingMode):
         self.sink = sink
         # Built per activation, so a handler added to GEMM_HANDLERS since is seen.
         self._handlers = {id(packet.default): handler for packet, handler in GEMM_HANDLERS.items()}
+        # fused attention: one handler per SDPA kernel (sdc_guard.runtime.attention)
+        self._attention = {id(packet.default): handler for packet, handler in ATTENTION_HANDLERS.items()}
         self._writes: dict[int, tuple[tuple[int, str], ...]] = {}  #: per overload, what it writes
 
     def after(self, func: Any, route: Route, args: tuple, kwargs: dict, out: Any) -> None:
@@ -279,9 +283,15 @@ class GemmInterceptor(RoutingMode):
             self.sink.on_unverified(str(func.overloadpacket))
 
     def on_attention(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        """A fused attention kernel ran (``ops.ATTENTION_OPS``): the entry point of attention
-        verification. Today its GEMMs are counted as unverified."""
-        self.sink.on_unverified(str(func.overloadpacket))
+        """A fused attention kernel ran (``ops.ATTENTION_OPS``): handed to attention
+        verification (``sdc_guard.runtime.attention``) where a handler knows the kernel's
+        schema; counted as unverified otherwise (a backward without a handler, an overload)."""
+        handler = self._attention.get(id(func))
+        call = handler(args, kwargs, out) if handler is not None else None
+        if isinstance(call, AttentionCall):
+            self.sink.on_attention(call)
+        else:
+            self.sink.on_unverified(str(func.overloadpacket))
 
     def on_opaque(self, name: str) -> None:
         self.sink.on_unverified(name)
