@@ -20,7 +20,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from sdc_guard.runtime.guard import Guard, check_backend, current_step, set_current_step
+from sdc_guard.runtime.checks import check_backend
+from sdc_guard.runtime.guard import Guard
+from sdc_guard.runtime.schedule import current_step, set_current_step
 from sdc_guard.metrics import GuardMetrics
 from sdc_guard.respond.policy import Policy, SDCError, SDCExit, StepOutcome
 from sdc_guard.core.precision import check_e_max

@@ -13,35 +13,35 @@ warns once, counts the GEMM as unverified, and never stops training.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import warnings
-import weakref
 from collections import deque
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.overrides import _get_current_function_mode
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
-from .. import backends
-from ..backends import Backend, GemmRequest
 from .attention import AttentionCall, verify as verify_attention
 from .cache import WeightCache
 from .function_mode import GemmFunctionMode, is_compiled, set_sink
 from .intercept import GLOBAL_SITE, Gemm, GemmInterceptor, SiteTracker, current_phase, module_hook_seconds, round_trip_seconds
-from ..core.precision import SUPPORTED_DTYPES, check_e_max, check_screen, resolve_screen
+from ..core.precision import check_screen
 from .ledger import Pending, StepLedger
 from .report import KindKey, StepReport
 from ..respond.outcome import StepOutcome
 from ..respond.policy import Policy
 from ..respond.responder import Responder
-from .sampling import Full, GradientScreen, Sampler, SiteKey, check_sampler, sampler_screens, sampler_watches
+from .sampling import Full, GradientScreen, Sampler, SiteKey, sampler_screens, sampler_watches
 from ..respond.snapshot import SnapshotStore
 from .stats import ScreenStats
+from .checker import Checker, verifiable
+from .warn_once import warnings_of
+from .checks import MetricsSink, check_backend, check_guard_arguments, check_metrics_sink, current_rank  # noqa: F401  (also importable here)
+from .optimizer_steps import OptimizerSteps
+from .schedule import current_step, set_current_step  # noqa: F401  (also importable here)
 
 #: The guards active on each thread, outermost first (``Guard.owns_outside_gemm``).
 _thread_guards = threading.local()
@@ -52,33 +52,6 @@ def _active_guards() -> list["Guard"]:
     if guards is None:
         guards = _thread_guards.guards = []
     return guards
-
-
-#: Next step number per model, so per-step ``protect()`` blocks continue one schedule.
-_next_step: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
-
-
-def current_step(model: nn.Module) -> int:
-    """The step number ``protect(model)`` is on (or opens next): the schedule's clock.
-
-    >>> current_step(torch.nn.Linear(2, 2))
-    0
-    """
-    return _next_step.get(model, 0)
-
-
-def set_current_step(model: nn.Module, step: int) -> None:
-    """Set the step number of ``model``'s schedule (a resumed run continues its count)."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step: expected a non-negative int, got {step!r}")
-    _next_step[model] = step
-
-
-class MetricsSink(Protocol):
-    """Where reports and outcomes go (``sdc_guard.metrics.GuardMetrics``)."""
-
-    def observe_report(self, report: "StepReport") -> None: ...
-    def observe_outcome(self, outcome: StepOutcome) -> None: ...
 
 
 class Guard:
@@ -104,37 +77,15 @@ class Guard:
         screen: str = "default",
         compiled: bool | None = None,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        check_guard_arguments(model, sampler=sampler, e_max=e_max, backend=backend, history=history,
+                              cache_bytes=cache_bytes, rank=rank, policy=policy, snapshots=snapshots,
+                              metrics=metrics, stats=stats, compiled=compiled)
         self.screen = check_screen(screen)
-        if sampler is not None:
-            check_sampler(sampler)
-        if e_max is not None:
-            check_e_max(e_max)
-        check_backend(backend, model)
-        if isinstance(history, bool) or not isinstance(history, int) or history < 1:
-            raise ValueError(f"history: expected a positive int, got {history!r}")
-        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
-            raise ValueError(f"cache_bytes: expected a non-negative int (bytes; 0 disables the cache), "
-                             f"got {cache_bytes!r}")
-        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
-            raise ValueError(f"rank: expected a non-negative int or None, got {rank!r}")
-        if policy is not None and not isinstance(policy, Policy):
-            raise TypeError(f"policy: expected a sdc_guard.Policy, got {type(policy).__name__}")
-        if snapshots is not None and not isinstance(snapshots, SnapshotStore):
-            raise TypeError(f"snapshots: expected a sdc_guard.SnapshotStore, got {type(snapshots).__name__}")
-        if not isinstance(stats, bool):
-            raise TypeError(f"stats: expected a bool, got {type(stats).__name__}")
-        if compiled is not None and not isinstance(compiled, bool):
-            raise TypeError(f"compiled: expected a bool or None (None: True when the model or one of its "
-                            f"modules is compiled), got {type(compiled).__name__} {compiled!r}")
         #: the compiled route (docs/COMPILE.md): a function mode dynamo traces, checks inside
         #: the graphs; else the dispatch mode, which makes dynamo run every frame eagerly
         self.compiled = compiled if compiled is not None else is_compiled(model)
         #: per-site screen D/T statistics (``protect(stats=True)``), else ``None``
         self.screen_stats: ScreenStats | None = ScreenStats() if stats else None
-        if metrics is not None:
-            check_metrics_sink(metrics)
         self.model = model
         self.policy = policy if policy is not None else Policy()
         self.snapshots = snapshots
@@ -147,7 +98,7 @@ class Guard:
         self.backend = backend
         self.cache = WeightCache(cache_bytes)
         self.reports: deque[StepReport] = deque(maxlen=history)
-        self.rank = rank if rank is not None else _current_rank()
+        self.rank = rank if rank is not None else current_rank()
         self._sites = SiteTracker(model)
         self._mode: GemmInterceptor | GemmFunctionMode | None = None
         self._previous_sink: Any = None  #: the compiled route's sink before ours (nested guards)
@@ -158,8 +109,7 @@ class Guard:
         self._optimizers = OptimizerSteps(self)
         self._step_open = False
         self._warned: set[str] = set()
-        self._backend_choice: dict[tuple, Backend] = {}
-        self._e_max_choice: dict[tuple, tuple[float, float]] = {}
+        self.checker = Checker(self.screen, e_max, backend, self.cache)  #: runs each check
         self._ledger = StepLedger()
         self._carry = 0.0  #: guard seconds spent while no step was open, for the next report
         self._gradient_screen: GradientScreen | None = None  #: the open step's, for its report
@@ -202,7 +152,7 @@ class Guard:
             last = self.last_report
             if last is None:
                 raise RuntimeError("begin_step(rerun=True): no step has been closed yet")
-            _next_step[self.model] = last.step
+            set_current_step(self.model, last.step)
             self._attempt = last.attempt + 1
         else:
             self._attempt = 0
@@ -281,7 +231,7 @@ class Guard:
         self._publish("observe_report", report)
         if report.attempt == 0:
             self.sampler.end_step(self._ledger.costs(report))
-        _next_step[self.model] = report.step + 1
+        set_current_step(self.model, report.step + 1)
         return report
 
     def step(self) -> StepReport:
@@ -512,7 +462,7 @@ class Guard:
             return  # another guarded model's GEMM
         kind: KindKey = (gemm.op, phase, str(gemm.a.dtype).removeprefix("torch."))
         call_index = self._ledger.see(kind)
-        if not _verifiable(gemm):
+        if not verifiable(gemm):
             self.on_unverified(f"{gemm.op}[{kind[2]}]")
             return
         site: SiteKey = (site_name, phase, gemm.op)
@@ -523,10 +473,10 @@ class Guard:
         started = self._ledger.clock.start(device)
         try:
             if torch._C._len_torch_dispatch_stack() == 0:  # ours is off while its handler runs
-                sdc, summary = self._verify(gemm)
+                sdc, summary = self.checker.verify(gemm)
             else:
                 with _disable_current_modes():  # modes below ours (a drill, a profiler) too
-                    sdc, summary = self._verify(gemm)
+                    sdc, summary = self.checker.verify(gemm)
         except Exception as exc:  # a monitoring failure never stops training
             self._warn_once(f"verify:{type(exc).__name__}", f"sdc_guard: could not verify a {gemm.op} "
                             f"GEMM ({type(exc).__name__}: {exc}); counting it as unverified")
@@ -570,32 +520,6 @@ class Guard:
         finally:
             self._ledger.hook_seconds += time.perf_counter() - started
 
-    def _verify(self, gemm: Gemm) -> tuple[Tensor | None, Tensor | list[float]]:
-        key = (gemm.a.device, gemm.a.dtype)
-        choice = self._e_max_choice.get(key)
-        if choice is None:
-            choice = self._e_max_choice[key] = resolve_screen(self.screen, self.e_max, gemm.a.dtype, gemm.a.device)
-        e_max, rounding = choice
-        backend = self._choose_backend(gemm, e_max)
-        # the operator re-reads B itself; the others take the cached encoding
-        weight = self.cache.get(gemm.b, encode=backend.encode) if backend.name != "npu" else None
-        req = GemmRequest(gemm.a, gemm.b, gemm.out, e_max, bias=gemm.bias, alpha=gemm.alpha, beta=gemm.beta,
-                          weight=weight, rounding=rounding)
-        return backend.summarize(req, cached=weight is not None)
-
-    def _choose_backend(self, gemm: Gemm, e_max: float) -> Backend:
-        """The backend for GEMMs like this one, chosen once per kind of call: device,
-        dtype, dims, bias and alpha (what the NPU operator's contract depends on). The
-        Triton and native kernels also depend on strides; a call of theirs that their
-        ``rejects`` would refuse goes to the torch path inside their ``check``."""
-        a = gemm.a
-        key = (a.device, a.dtype, a.dim(), gemm.b.dim(), gemm.bias is not None, gemm.alpha == 1.0)
-        chosen = self._backend_choice.get(key)
-        if chosen is None:
-            req = GemmRequest(a, gemm.b, gemm.out, e_max, bias=gemm.bias, alpha=gemm.alpha, beta=gemm.beta)
-            chosen = self._backend_choice[key] = backends.select(req, self.backend)
-        return chosen
-
     def _publish(self, method: str, item: Any) -> None:
         """Hand a report or outcome to the metrics sink; a failure there warns once per
         sink in total, across the per-step ``protect()`` blocks that share it."""
@@ -612,7 +536,7 @@ class Guard:
         """Warn once per ``key`` and ``owner`` (default: the model): the state lives with
         the owner, not with this guard, since the documented per-step pattern makes a new
         guard every step."""
-        warned = _warnings_of(self.model if owner is None else owner)
+        warned = warnings_of(self.model if owner is None else owner)
         if warned is None:  # an owner that cannot be weakly referenced: this guard's own
             warned = self._warned
         if key not in warned:
@@ -620,157 +544,6 @@ class Guard:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     # --- end of step ---------------------------------------------------------------------
-
-
-class OptimizerSteps:
-    """Leaves optimizer steps that run no GEMM outside the dispatch mode.
-
-    An SGD or Adam step is elementwise arithmetic over every parameter: on a small model,
-    half of a training step's aten ops, each paying the dispatch mode's Python round trip
-    with nothing to verify. Each optimizer's first watched step is intercepted as usual
-    and its GEMMs counted; one that ran none is from then on stepped with the mode off. One
-    that ran GEMMs (Shampoo, Muon, LBFGS evaluating its closure) stays verified. Global
-    optimizer-step hooks, installed only while the guard is active.
-    """
-
-    def __init__(self, guard: "Guard") -> None:
-        self.guard = guard
-        self._gemmless: weakref.WeakSet = weakref.WeakSet()
-        self._learned: weakref.WeakSet = weakref.WeakSet()
-        self._seen_before: dict[int, int] = {}
-        #: step calls in progress per optimizer: a subclass's step calling its base class's
-        #: step runs the hooks twice, and only the outer call is the optimizer step
-        self._depth: dict[int, int] = {}
-        self._handles: list[Any] = []
-
-    def install(self) -> None:
-        if not self._handles:
-            self._handles = [register_optimizer_step_pre_hook(self._pre),
-                             register_optimizer_step_post_hook(self._post)]
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-    def reset(self) -> None:
-        """Forget steps in progress: an optimizer step that raised never ran its post-hook."""
-        self._depth.clear()
-        self._seen_before.clear()
-        self.guard._paused = False
-
-    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        depth = self._depth.get(id(optimizer), 0)
-        self._depth[id(optimizer)] = depth + 1
-        if depth:
-            return
-        guard = self.guard
-        if optimizer in self._gemmless:
-            guard._paused = True
-            guard._sync_mode()
-        elif optimizer not in self._learned and guard.intercepting and guard.step_open:
-            self._seen_before[id(optimizer)] = guard.gemms_seen
-
-    def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        depth = self._depth.pop(id(optimizer), 1) - 1
-        if depth:
-            self._depth[id(optimizer)] = depth
-            return
-        guard = self.guard
-        # foreach and fused optimizers write parameters without bumping their versions
-        guard.refresh_weights([p for group in optimizer.param_groups for p in group["params"]])
-        if guard._paused:
-            guard._paused = False
-            guard._sync_mode()
-            return
-        before = self._seen_before.pop(id(optimizer), None)
-        if before is not None and guard.step_open:
-            self._learned.add(optimizer)
-            if guard.gemms_seen == before:
-                self._gemmless.add(optimizer)
-
-
-def _verifiable(gemm: Gemm) -> bool:
-    a, b, out = gemm.a, gemm.b, gemm.out
-    return (
-        a.dtype in SUPPORTED_DTYPES and b.dtype == a.dtype and out.dtype in SUPPORTED_DTYPES
-        and a.dim() >= 2 and b.dim() >= 2 and out.dim() >= 2
-        and (gemm.bias is None or gemm.bias.is_floating_point())
-    )
-
-
-#: Warning keys already given, per owner (a metrics sink, a model), by ``id`` with a weak
-#: reference, so that sinks that are not hashable (dataclasses) are served too.
-_warned_by_owner: dict[int, tuple["weakref.ref[Any]", set[str]]] = {}
-
-
-def _warnings_of(owner: Any) -> set[str] | None:
-    """The set of warnings already given for ``owner`` (``None``: not weakly referenceable)."""
-    key = id(owner)
-    entry = _warned_by_owner.get(key)
-    if entry is not None and entry[0]() is owner:
-        return entry[1]
-    try:
-        ref = weakref.ref(owner, lambda _: _warned_by_owner.pop(key, None))
-    except TypeError:
-        return None
-    _warned_by_owner[key] = (ref, set())
-    return _warned_by_owner[key][1]
-
-
-METRICS_SINK_METHODS = ("observe_report", "observe_outcome")
-
-
-def check_metrics_sink(metrics: Any, name: str = "metrics") -> None:
-    """Raise ``TypeError`` naming ``name`` unless ``metrics`` is a sink object: one with
-    ``observe_report`` and ``observe_outcome`` (``sdc_guard.metrics.GuardMetrics``).
-
-    >>> check_metrics_sink("prometheus")
-    Traceback (most recent call last):
-    ...
-    TypeError: metrics: expected a metrics sink (an object with observe_report and observe_outcome, such as sdc_guard.metrics.GuardMetrics()), got str 'prometheus'
-    """
-    if isinstance(metrics, type) or not all(callable(getattr(metrics, m, None)) for m in METRICS_SINK_METHODS):
-        what = f"the class {metrics.__name__} (pass an instance)" if isinstance(metrics, type) else \
-            f"{type(metrics).__name__} {metrics!r}"
-        raise TypeError(f"{name}: expected a metrics sink (an object with {' and '.join(METRICS_SINK_METHODS)}, "
-                        f"such as sdc_guard.metrics.GuardMetrics()), got {what}")
-
-
-def check_backend(backend: Any, model: nn.Module | None = None, name: str = "backend") -> None:
-    """Raise ``ValueError`` unless the forced backend (``backend``, else
-    ``$SDC_GUARD_BACKEND``) exists, is usable in this process and, given ``model``,
-    accepts GEMMs on the devices and dtypes of its parameters: a forced backend that
-    cannot serve the tensors it will see is an error before training, not a warning per
-    GEMM during it. ``None`` with no variable set (the dispatcher chooses) always passes.
-
-    >>> check_backend("torch", torch.nn.Linear(2, 2))
-    """
-    if backend is not None and not isinstance(backend, str):
-        raise TypeError(f"{name}: expected a backend name ({', '.join(backends.registered())}) or None, "
-                        f"got {type(backend).__name__} {backend!r}")
-    source, value = (name, backend) if backend is not None else (backends.ENV_BACKEND, os.environ.get(backends.ENV_BACKEND))
-    if not value:
-        return
-    if value not in backends.registered():
-        raise ValueError(f"{source}: expected one of {', '.join(map(repr, backends.registered()))}, got {value!r}")
-    chosen = backends.get(value)
-    reason = chosen.unavailable_reason()
-    if reason is not None:
-        raise ValueError(f"{source}: expected a backend usable in this process, got {value!r}, which is not: {reason}")
-    kinds = {(p.device, p.dtype) for p in (model.parameters() if model is not None else ())
-             if p.dtype in SUPPORTED_DTYPES and p.device.type != "meta"}
-    for device, dtype in sorted(kinds, key=str):
-        probe = torch.empty((2, 2), dtype=dtype, device=device)
-        reason = chosen.rejects(GemmRequest(probe, probe, probe, 1e-3))
-        if reason is not None:
-            raise ValueError(f"{source}: expected a backend that can verify the model's GEMMs ({dtype} on {device}), "
-                             f"got {value!r}, which cannot: {reason}")
-
-
-def _current_rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def protect(

@@ -34,7 +34,8 @@ from torch import nn
 
 from .bench_common import Outcome, Progress, machine, pct, resolve_device, table
 from .bench_detect import bit_field
-from ..runtime.guard import Guard, protect, set_current_step
+from ..runtime.guard import Guard, protect
+from ..runtime.schedule import set_current_step
 from ..runtime.inject import GemmFault, drill
 from ..runtime.sampling import Budget, Full, Sampler, Screened
 from ..respond.snapshot import SnapshotStore

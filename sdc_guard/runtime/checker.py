@@ -1,0 +1,70 @@
+"""Verify one GEMM: the screen's threshold for its dtype and device, the backend for its
+kind of call, and the weight side's cached encoding, each chosen once and reused.
+
+The guard (``sdc_guard.runtime.guard``) decides which GEMMs to verify and records what
+verification returns; this is the part that runs a check.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .. import backends
+from ..backends import Backend, GemmRequest
+from ..core.precision import SUPPORTED_DTYPES, resolve_screen
+from .cache import WeightCache
+from .ops import Gemm
+
+
+class Checker:
+    """Runs the V-ABFT check of a GEMM through the chosen backend (docs/ALGORITHM.md).
+
+    ``screen`` and ``e_max`` choose the threshold (``sdc_guard.core.precision``),
+    ``backend`` forces a backend by name (``None``: the dispatcher chooses), ``cache``
+    holds the weight sides' encodings.
+    """
+
+    def __init__(self, screen: str, e_max: float | None, backend: str | None, cache: WeightCache) -> None:
+        self.screen = screen
+        self.e_max = e_max
+        self.backend = backend
+        self.cache = cache
+        self._backend_choice: dict[tuple, Backend] = {}
+        self._e_max_choice: dict[tuple, tuple[float, float]] = {}
+
+    def verify(self, gemm: Gemm) -> tuple[Tensor | None, Tensor | list[float]]:
+        key = (gemm.a.device, gemm.a.dtype)
+        choice = self._e_max_choice.get(key)
+        if choice is None:
+            choice = self._e_max_choice[key] = resolve_screen(self.screen, self.e_max, gemm.a.dtype, gemm.a.device)
+        e_max, rounding = choice
+        backend = self.choose_backend(gemm, e_max)
+        # the operator re-reads B itself; the others take the cached encoding
+        weight = self.cache.get(gemm.b, encode=backend.encode) if backend.name != "npu" else None
+        req = GemmRequest(gemm.a, gemm.b, gemm.out, e_max, bias=gemm.bias, alpha=gemm.alpha, beta=gemm.beta,
+                          weight=weight, rounding=rounding)
+        return backend.summarize(req, cached=weight is not None)
+
+    def choose_backend(self, gemm: Gemm, e_max: float) -> Backend:
+        """The backend for GEMMs like this one, chosen once per kind of call: device,
+        dtype, dims, bias and alpha (what the NPU operator's contract depends on). The
+        Triton and native kernels also depend on strides; a call of theirs that their
+        ``rejects`` would refuse goes to the torch path inside their ``check``."""
+        a = gemm.a
+        key = (a.device, a.dtype, a.dim(), gemm.b.dim(), gemm.bias is not None, gemm.alpha == 1.0)
+        chosen = self._backend_choice.get(key)
+        if chosen is None:
+            req = GemmRequest(a, gemm.b, gemm.out, e_max, bias=gemm.bias, alpha=gemm.alpha, beta=gemm.beta)
+            chosen = self._backend_choice[key] = backends.select(req, self.backend)
+        return chosen
+
+
+def verifiable(gemm: Gemm) -> bool:
+    """A GEMM the check can take: floating operands of one supported dtype, matrices or
+    batches of them, a floating bias."""
+    a, b, out = gemm.a, gemm.b, gemm.out
+    return (
+        a.dtype in SUPPORTED_DTYPES and b.dtype == a.dtype and out.dtype in SUPPORTED_DTYPES
+        and a.dim() >= 2 and b.dim() >= 2 and out.dim() >= 2
+        and (gemm.bias is None or gemm.bias.is_floating_point())
+    )

@@ -1,0 +1,121 @@
+"""Argument checks ``protect()`` and the integrations share: a metrics sink, a forced
+backend, and where this process sits in a process group.
+
+Bad input gets a clear error at the call that received it, naming the argument, what was
+expected and what was received.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+from .. import backends
+from ..backends import GemmRequest
+from ..core.precision import SUPPORTED_DTYPES
+
+from ..core.precision import check_e_max
+from ..respond.policy import Policy
+from ..respond.snapshot import SnapshotStore
+from .sampling import check_sampler
+
+if TYPE_CHECKING:
+    from ..respond.outcome import StepOutcome
+    from .report import StepReport
+
+
+class MetricsSink(Protocol):
+    """Where reports and outcomes go (``sdc_guard.metrics.GuardMetrics``)."""
+
+    def observe_report(self, report: "StepReport") -> None: ...
+    def observe_outcome(self, outcome: StepOutcome) -> None: ...
+
+
+METRICS_SINK_METHODS = ("observe_report", "observe_outcome")
+
+
+def check_metrics_sink(metrics: Any, name: str = "metrics") -> None:
+    """Raise ``TypeError`` naming ``name`` unless ``metrics`` is a sink object: one with
+    ``observe_report`` and ``observe_outcome`` (``sdc_guard.metrics.GuardMetrics``).
+
+    >>> check_metrics_sink("prometheus")
+    Traceback (most recent call last):
+    ...
+    TypeError: metrics: expected a metrics sink (an object with observe_report and observe_outcome, such as sdc_guard.metrics.GuardMetrics()), got str 'prometheus'
+    """
+    if isinstance(metrics, type) or not all(callable(getattr(metrics, m, None)) for m in METRICS_SINK_METHODS):
+        what = f"the class {metrics.__name__} (pass an instance)" if isinstance(metrics, type) else \
+            f"{type(metrics).__name__} {metrics!r}"
+        raise TypeError(f"{name}: expected a metrics sink (an object with {' and '.join(METRICS_SINK_METHODS)}, "
+                        f"such as sdc_guard.metrics.GuardMetrics()), got {what}")
+
+
+def check_backend(backend: Any, model: nn.Module | None = None, name: str = "backend") -> None:
+    """Raise ``ValueError`` unless the forced backend (``backend``, else
+    ``$SDC_GUARD_BACKEND``) exists, is usable in this process and, given ``model``,
+    accepts GEMMs on the devices and dtypes of its parameters: a forced backend that
+    cannot serve the tensors it will see is an error before training, not a warning per
+    GEMM during it. ``None`` with no variable set (the dispatcher chooses) always passes.
+
+    >>> check_backend("torch", torch.nn.Linear(2, 2))
+    """
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(f"{name}: expected a backend name ({', '.join(backends.registered())}) or None, "
+                        f"got {type(backend).__name__} {backend!r}")
+    source, value = (name, backend) if backend is not None else (backends.ENV_BACKEND, os.environ.get(backends.ENV_BACKEND))
+    if not value:
+        return
+    if value not in backends.registered():
+        raise ValueError(f"{source}: expected one of {', '.join(map(repr, backends.registered()))}, got {value!r}")
+    chosen = backends.get(value)
+    reason = chosen.unavailable_reason()
+    if reason is not None:
+        raise ValueError(f"{source}: expected a backend usable in this process, got {value!r}, which is not: {reason}")
+    kinds = {(p.device, p.dtype) for p in (model.parameters() if model is not None else ())
+             if p.dtype in SUPPORTED_DTYPES and p.device.type != "meta"}
+    for device, dtype in sorted(kinds, key=str):
+        probe = torch.empty((2, 2), dtype=dtype, device=device)
+        reason = chosen.rejects(GemmRequest(probe, probe, probe, 1e-3))
+        if reason is not None:
+            raise ValueError(f"{source}: expected a backend that can verify the model's GEMMs ({dtype} on {device}), "
+                             f"got {value!r}, which cannot: {reason}")
+
+
+def current_rank() -> int:
+    """This process's rank in the default process group (0 outside one)."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def check_guard_arguments(model: Any, *, sampler: Any, e_max: Any, backend: Any, history: Any, cache_bytes: Any,
+                          rank: Any, policy: Any, snapshots: Any, metrics: Any, stats: Any, compiled: Any) -> None:
+    """Raise ``TypeError`` / ``ValueError`` naming the first of ``protect()``'s arguments that
+    is not what it takes (``screen`` is checked by ``core.precision.check_screen``)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if sampler is not None:
+        check_sampler(sampler)
+    if e_max is not None:
+        check_e_max(e_max)
+    check_backend(backend, model)
+    if isinstance(history, bool) or not isinstance(history, int) or history < 1:
+        raise ValueError(f"history: expected a positive int, got {history!r}")
+    if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
+        raise ValueError(f"cache_bytes: expected a non-negative int (bytes; 0 disables the cache), "
+                         f"got {cache_bytes!r}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise ValueError(f"rank: expected a non-negative int or None, got {rank!r}")
+    if policy is not None and not isinstance(policy, Policy):
+        raise TypeError(f"policy: expected a sdc_guard.Policy, got {type(policy).__name__}")
+    if snapshots is not None and not isinstance(snapshots, SnapshotStore):
+        raise TypeError(f"snapshots: expected a sdc_guard.SnapshotStore, got {type(snapshots).__name__}")
+    if not isinstance(stats, bool):
+        raise TypeError(f"stats: expected a bool, got {type(stats).__name__}")
+    if compiled is not None and not isinstance(compiled, bool):
+        raise TypeError(f"compiled: expected a bool or None (None: True when the model or one of its "
+                        f"modules is compiled), got {type(compiled).__name__} {compiled!r}")
+    if metrics is not None:
+        check_metrics_sink(metrics)

@@ -1,0 +1,32 @@
+"""The schedule's clock: the step number of each model, shared by every ``protect()`` block.
+
+Per-step blocks (``with protect(model):`` around each step) make a new ``Guard`` every
+step; the sampler's schedule (``EveryN``, ``Budget`` windows) and the fault drills count
+steps, so the count lives with the model, not with a guard.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch  # noqa: F401  (the doctests' namespace)
+from torch import nn
+
+#: Next step number per model, so per-step ``protect()`` blocks continue one schedule.
+_next_step: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
+
+
+def current_step(model: nn.Module) -> int:
+    """The step number ``protect(model)`` is on (or opens next): the schedule's clock.
+
+    >>> current_step(torch.nn.Linear(2, 2))
+    0
+    """
+    return _next_step.get(model, 0)
+
+
+def set_current_step(model: nn.Module, step: int) -> None:
+    """Set the step number of ``model``'s schedule (a resumed run continues its count)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step: expected a non-negative int, got {step!r}")
+    _next_step[model] = step
