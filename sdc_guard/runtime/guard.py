@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 
 from .. import backends
 from ..backends import Backend, GemmRequest
-from .cache import WeightCache
+from .cache import WeightCache, persistent_parameters, storage_address, storage_addresses
 from .intercept import Gemm, GemmInterceptor, SiteTracker, current_phase, module_hook_seconds, round_trip_seconds
 from ..core.precision import SUPPORTED_DTYPES, check_e_max, check_screen, resolve_screen
 from .ledger import Pending, StepLedger
@@ -188,7 +188,7 @@ class Guard:
             if not rerun or not self._watched_last:
                 # a re-execution of an unwatched step (a tripped gradient screen) starts
                 # cold too: the encodings are from the last watched step, maybe long ago
-                self.cache.set_parameters(self.model.parameters())
+                self.cache.set_parameters(persistent_parameters(self.model))
                 if not self._watched_last:  # writes in unwatched steps went unobserved
                     self.cache.invalidate()
             self._sites.start()
@@ -410,11 +410,8 @@ class Guard:
         cache = self.cache
         stale = []
         for t in tensors:
-            try:
-                ptr = t.untyped_storage().data_ptr()
-            except (RuntimeError, NotImplementedError):  # a tensor without a storage of its own
-                continue
-            if cache.holds(ptr):
+            ptr = storage_address(t)  # None: a tensor without a storage of its own
+            if ptr is not None and cache.holds(ptr):
                 stale.append(ptr)
         if stale:
             cache.invalidate(stale)
@@ -432,7 +429,7 @@ class Guard:
         be thrown away, and unwatched steps are meant to cost nothing."""
         started = time.perf_counter()
         if params is not None:
-            self.cache.invalidate(p.untyped_storage().data_ptr() for p in params)
+            self.cache.invalidate(storage_addresses(params))
         if self._watching:
             if torch._C._len_torch_dispatch_stack() == 0:
                 self.cache.refresh()

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 
 from .guard import current_step
-from .intercept import GEMM_HANDLERS, GemmInterceptor, SiteTracker, current_phase
+from .intercept import GEMM_HANDLERS, GemmInterceptor, SiteTracker, current_phase, defer_to_dtensor, on_fake_tensors
 
 _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 _TOP_EXPONENT_BIT = {torch.float32: 30, torch.float16: 14, torch.bfloat16: 14}
@@ -204,6 +204,10 @@ class FaultInjector(TorchDispatchMode):
         self.faults = [f for f in self.faults if f is not fault]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if defer_to_dtensor(types):  # corrupt the local GEMM, on the local shards
+            return NotImplemented
+        if on_fake_tensors(types):  # no data to corrupt
+            return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         packet = func.overloadpacket
         if packet in GEMM_HANDLERS and func is packet.default and isinstance(out, Tensor) and out.dtype in _INT_VIEW:

@@ -17,6 +17,7 @@ the encoding of its good value (``sdc_guard.runtime.cache``).
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -286,8 +287,36 @@ def _written_tensors(args: tuple, kwargs: dict, where: tuple[tuple[int, str], ..
     return out
 
 
+def defer_to_dtensor(types: Any) -> bool:
+    """Whether a dispatch mode should hand this call to ``DTensor`` (return
+    ``NotImplemented``): one of its arguments is a ``DTensor`` (tensor parallelism, FSDP2's
+    sharded parameters). ``DTensor.__torch_dispatch__`` then redistributes what it must and
+    runs the local op on the local shards, and that local call comes back to the mode with
+    plain tensors: the GEMM that really runs, on the data it really reads, is what the mode
+    verifies (docs/DISTRIBUTED.md). Cheap for plain tensors (``types`` is empty)."""
+    return _any_subclass(types, "torch.distributed.tensor", "DTensor")
+
+
+def on_fake_tensors(types: Any) -> bool:
+    """Whether this call computes on ``FakeTensor`` s (no data: ``DTensor``'s sharding
+    propagation runs each new op once on fake tensors, with the mode still on the stack):
+    a mode runs it and accounts nothing."""
+    return _any_subclass(types, "torch._subclasses.fake_tensor", "FakeTensor")
+
+
+def _any_subclass(types: Any, module: str, name: str) -> bool:
+    if not types:
+        return False
+    cls = getattr(sys.modules.get(module), name, None)
+    return cls is not None and any(issubclass(t, cls) for t in types)
+
+
 class GemmInterceptor(TorchDispatchMode):
     """Dispatch mode that reports every GEMM (and every unverifiable GEMM-bearing op).
+
+    A call on ``DTensor`` s is handed to ``DTensor`` (``defer_to_dtensor``): its local
+    op, on the local shards, comes back to this mode and is verified. A call on
+    ``FakeTensor`` s runs unaccounted (``on_fake_tensors``).
 
     >>> seen = []
     >>> class Sink:
@@ -318,6 +347,12 @@ class GemmInterceptor(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if types:
+            if defer_to_dtensor(types):
+                self.ops += 1
+                return NotImplemented
+            if on_fake_tensors(types):
+                return func(*args, **kwargs)
         self.ops += 1
         out = func(*args, **kwargs)
         key = id(func)
