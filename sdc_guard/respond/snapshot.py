@@ -47,15 +47,10 @@ agreed in lockstep, so every rank gets there together.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import re
-import secrets
-import socket
 import time
 import warnings
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -64,234 +59,27 @@ import torch
 from torch import Tensor, nn
 
 from . import distributed
+from .checkpoint_io import (  # noqa: F401  (public names of this module since before the split)
+    CHECKPOINT_PATTERN,
+    RUN_ID_PATTERN,
+    STALE_TEMPORARY_SECONDS,
+    TEMPORARY_PATTERN,
+    check_checkpoint_dir,
+    describe_os_error,
+    host_label,
+    load_checkpoint,
+    looks_complete,
+    new_run_id,
+    remove_stale_temporaries,
+    save_checkpoint,
+)
 
 log = logging.getLogger("sdc_guard")
-
-#: ``sdc_guard-<run id>-step<N>.pt``; files of versions before run ids, without one, too.
-CHECKPOINT_PATTERN = re.compile(r"^sdc_guard-(?:(?P<run>[A-Za-z0-9_.]+)-)?step(?P<step>-?\d+)\.pt$")
-#: A temporary file of ``save_checkpoint``: ``.<name>.tmp-<host>-<pid>`` (older versions:
-#: ``.<name>.tmp-<pid>``).
-TEMPORARY_PATTERN = re.compile(r"^\.sdc_guard-.*\.pt\.tmp-(?:(?P<host>[A-Za-z0-9_.]+)-)?(?P<pid>\d+)$")
-RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
-#: A temporary file whose writer may still be alive is removed only when its last write
-#: is older than the run by this much: a writer inside one long ``write()`` call does not
-#: touch its file's modification time until the call returns.
-STALE_TEMPORARY_SECONDS = 3600.0
-
-_DISK_FULL = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exhausted",
-              errno.EFBIG: "the disk is full or a file size limit was reached"}
 
 
 class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> Any: ...
-
-
-def host_label() -> str:
-    """This host's name as temporary file names carry it (letters, digits, '_', '.')."""
-    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
-
-
-def new_run_id() -> str:
-    """A fresh run id: UTC start time, process id and a random part.
-
-    >>> bool(RUN_ID_PATTERN.match(new_run_id()))
-    True
-    """
-    return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}_{os.getpid()}_{secrets.token_hex(3)}"
-
-
-def describe_os_error(exc: BaseException) -> str:
-    """What an error of the disk means, in words (a full disk is named as such).
-
-    >>> describe_os_error(OSError(errno.ENOSPC, "No space left on device"))
-    'the disk is full (ENOSPC: No space left on device)'
-    """
-    number = getattr(exc, "errno", None)
-    if not isinstance(exc, OSError) or number is None:
-        return f"{type(exc).__name__}: {exc}"
-    text = exc.strerror or str(exc)
-    what = _DISK_FULL.get(number)
-    if not (what and text.startswith(what)):
-        text = f"{errno.errorcode.get(number, str(number))}: {text}"
-        text = f"{what} ({text})" if what else text
-    return f"{text}: {exc.filename}" if exc.filename else text
-
-
-class _Sink:
-    """The file ``torch.save`` writes to: every byte written or an ``OSError`` kept.
-
-    ``torch.save`` turns a failed ``write()`` into ``RuntimeError: unexpected pos ...``;
-    keeping the ``OSError`` lets ``save_checkpoint`` say what happened (a full disk).
-    """
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.error: OSError | None = None
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        done = 0
-        try:
-            while done < len(view):
-                written = os.write(self.fd, view[done:])
-                if written == 0:  # a short write that makes no progress: nowhere to put it
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                done += written
-        except OSError as exc:
-            self.error = self.error or exc
-            raise
-        return done
-
-    def flush(self) -> None:
-        pass
-
-
-def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
-    """Write ``state`` to ``path`` atomically: readers see the old file or the new one.
-
-    A failed write raises ``OSError`` with the cause's ``errno`` and a message that says
-    what it means (``the disk is full``); the temporary file is removed.
-
-    >>> import tempfile; d = tempfile.mkdtemp()
-    >>> p = save_checkpoint(f"{d}/a.pt", {"w": torch.ones(2)}); load_checkpoint(p)["w"].tolist()
-    [1.0, 1.0]
-    """
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path: expected a str or os.PathLike, got {type(path).__name__}")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{host_label()}-{os.getpid()}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        sink = _Sink(fd)
-        try:
-            torch.save(state, sink)
-            os.fsync(fd)
-        except Exception as exc:
-            if sink.error is None:
-                raise
-            cause = OSError(sink.error.errno, sink.error.strerror)
-            raise OSError(sink.error.errno, describe_os_error(cause), str(path)) from exc
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    finally:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return path
-
-
-def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Load a checkpoint written by ``save_checkpoint`` (``weights_only=True``, to CPU)."""
-    return torch.load(Path(path), map_location="cpu", weights_only=True)
-
-
-def looks_complete(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a complete torch archive: non-empty, a zip whose central
-    directory (written last) is present and names a pickle. Cheap: reads the end of the
-    file, never the tensors. A file cut short or not written by torch fails.
-
-    >>> import tempfile; d = Path(tempfile.mkdtemp()); (d / "x.pt").write_bytes(b"")
-    0
-    >>> looks_complete(d / "x.pt"), looks_complete(save_checkpoint(d / "y.pt", {"a": 1}))
-    (False, True)
-    """
-    try:
-        if os.path.getsize(path) == 0 or not zipfile.is_zipfile(path):
-            return False
-        with zipfile.ZipFile(path) as archive:
-            return any(name.endswith("data.pkl") for name in archive.namelist())
-    except (OSError, zipfile.BadZipFile, ValueError):
-        return False
-
-
-def check_checkpoint_dir(checkpoint_dir: Any, name: str = "checkpoint_dir") -> Path:
-    """``checkpoint_dir`` as a ``Path``, created if missing, after proving it writable
-    (a one-byte file written and removed). Raises ``TypeError`` / ``ValueError`` naming
-    ``name``: at construction, not at the first snapshot after an optimizer step.
-
-    >>> import tempfile; check_checkpoint_dir(tempfile.mkdtemp()).is_dir()
-    True
-    """
-    if isinstance(checkpoint_dir, bool) or not isinstance(checkpoint_dir, (str, os.PathLike)):
-        raise TypeError(f"{name}: expected a directory path (str or os.PathLike) or None, "
-                        f"got {type(checkpoint_dir).__name__} {checkpoint_dir!r}")
-    path = Path(checkpoint_dir)
-    if str(checkpoint_dir) == "":
-        raise ValueError(f"{name}: expected a directory path, got an empty string")
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{name}: expected a directory, got {str(path)!r}, which exists and is not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".sdc_guard-write-probe-{host_label()}-{os.getpid()}"
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, b"\0")
-        finally:
-            os.close(fd)
-            probe.unlink(missing_ok=True)
-    except OSError as exc:
-        raise ValueError(f"{name}: expected a writable directory, got {str(path)!r}: "
-                         f"{describe_os_error(exc)}") from exc
-    return path
-
-
-def _writer_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def remove_stale_temporaries(directory: str | os.PathLike, run_started: float) -> list[Path]:
-    """Remove temporary files of ``save_checkpoint`` whose writer is gone; returns them.
-
-    A writer on this host whose process no longer exists is gone; so is a file of this
-    process's id from before ``run_started`` (a killed process whose id was reused, as in
-    containers where every job is process 1). Any other file (its writer alive, or on
-    another host of a shared file system) is removed only when its last write is more
-    than ``STALE_TEMPORARY_SECONDS`` older than ``run_started``.
-    """
-    removed = []
-    host, me = host_label(), os.getpid()
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return removed
-    for entry in entries:
-        match = TEMPORARY_PATTERN.match(entry.name)
-        if match is None:
-            continue
-        try:
-            mtime = entry.stat(follow_symlinks=False).st_mtime
-        except OSError:
-            continue
-        pid = int(match["pid"])
-        local = match["host"] in (None, host)
-        if local and pid == me:
-            stale = mtime < run_started
-        elif local and not _writer_alive(pid):
-            stale = True
-        else:
-            stale = mtime < run_started - STALE_TEMPORARY_SECONDS
-        if stale:
-            try:
-                os.unlink(entry.path)
-                removed.append(Path(entry.path))
-            except OSError:
-                pass
-    return removed
 
 
 def _to_host(obj: Any, pin: bool) -> Any:

@@ -24,16 +24,29 @@ memory, leaves the encoding of the good weight in place: the GEMM then reads the
 weight, the screen flags it against the good encoding, and the confirmation
 (``sdc_guard.core.confirm``) tells a stale encoding from a wrong product: a corruption of the
 weight at rest.
+
+Sharded parameters (docs/DISTRIBUTED.md): a tensor-parallel parameter is a ``DTensor``
+whose local shard is an ordinary, persistent tensor; its GEMMs run on that shard (the
+dispatch mode sees the local op), so the shard's storage is what is registered and cached.
+A parameter managed by FSDP2 (``fully_shard``) is all-gathered into a buffer before each
+use and the buffer freed after it: the GEMM's operand lives in memory that exists for
+one use and whose address and version counter say nothing about its content next time.
+Those parameters are never registered (``persistent_parameters``), so their GEMMs encode
+the weight side afresh on every call: correct, and the cost is one O(KN) pass per GEMM,
+which the O(MKN) GEMM dwarfs. (Caching them would buy nothing anyway: with FSDP2's
+default resharding the forward and the backward use separate gathers, in different
+orientations.)
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Iterable
+import sys
+from typing import Callable, Iterable, Iterator
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..core.abft import WeightSide, weight_side
 
@@ -42,6 +55,66 @@ CacheKey = tuple
 _STALE = -1
 #: A weight-side encoder: ``abft.weight_side`` or a backend's ``encode``.
 Encoder = Callable[[Tensor], WeightSide]
+
+
+def _dtensor_type() -> type | None:
+    """The ``DTensor`` class if it was ever imported (no DTensor can exist otherwise)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def _fsdp_module_type() -> type | None:
+    """The FSDP2 module class if ``fully_shard`` was ever imported."""
+    module = sys.modules.get("torch.distributed.fsdp")
+    return getattr(module, "FSDPModule", None)
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """``t`` itself, or a ``DTensor``'s local shard (what its GEMMs compute on)."""
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(t, dtensor):
+        return t._local_tensor
+    return t
+
+
+def storage_address(t: Tensor) -> int | None:
+    """The address of the storage ``t``'s data lives in (a ``DTensor``'s: its local
+    shard's), or ``None`` when it has none to speak of: a wrapper subclass without
+    storage, a meta tensor, a storage freed by resizing it to nothing (FSDP2's unsharded
+    buffers between uses).
+
+    >>> storage_address(torch.ones(2)) is not None, storage_address(torch.ones(2, device="meta"))
+    (True, None)
+    """
+    t = local_tensor(t)
+    try:
+        storage = t.untyped_storage()
+        address = storage.data_ptr()
+    except (RuntimeError, NotImplementedError):  # "invalid python storage", no storage at all
+        return None
+    return address if address and storage.nbytes() > 0 else None
+
+
+def storage_addresses(tensors: Iterable[Tensor]) -> list[int]:
+    """The storage addresses of ``tensors`` that have one (``storage_address``)."""
+    return [a for a in map(storage_address, tensors) if a is not None]
+
+
+def persistent_parameters(model: nn.Module) -> Iterator[Tensor]:
+    """The parameters of ``model`` whose storage outlives a step, which are the ones a
+    weight encoding may be cached for: every parameter except those FSDP2 manages
+    (anything under a ``fully_shard`` module: between uses its parameters are sharded
+    ``DTensor`` s that no GEMM reads, during use an all-gathered buffer that is freed
+    after it). A tensor-parallel ``DTensor`` parameter is persistent (its local shard)."""
+    fsdp = _fsdp_module_type()
+    managed: set[int] = set()
+    if fsdp is not None:
+        for module in model.modules():
+            if isinstance(module, fsdp):
+                managed.update(id(p) for p in module.parameters())
+    for p in model.parameters():
+        if id(p) not in managed:
+            yield p
 
 
 def cache_key(b: Tensor) -> CacheKey:
@@ -89,8 +162,11 @@ class WeightCache:
         return len(self._entries)
 
     def set_parameters(self, params: Iterable[Tensor]) -> None:
-        """Declare which storages are parameters (cacheable); drops entries of others."""
-        self._storages = {p.untyped_storage().data_ptr() for p in params}
+        """Declare which storages are parameters (cacheable); drops entries of others.
+        A ``DTensor`` registers its local shard; a tensor without a live storage (a
+        parameter FSDP2 has freed) registers nothing. Pass ``persistent_parameters(model)``
+        for a model that may be sharded by FSDP2."""
+        self._storages = set(storage_addresses(params))
         for key in [k for k in self._entries if k[0] not in self._storages]:
             self._drop(key)
 
@@ -100,7 +176,8 @@ class WeightCache:
 
     def is_cacheable(self, b: Tensor) -> bool:
         """Whether ``b`` views a registered parameter's storage."""
-        return b.untyped_storage().data_ptr() in self._storages
+        address = storage_address(b)
+        return address is not None and address in self._storages
 
     def get(self, b: Tensor, checksum_weight: Tensor | None = None, *,
             encode: Encoder = weight_side) -> WeightSide | None:
@@ -115,6 +192,7 @@ class WeightCache:
         if checksum_weight is not None or not self.is_cacheable(b):
             self.stats.uncacheable += 1
             return None
+        b = local_tensor(b)
         key = cache_key(b)
         entry = self._entries.get(key)
         if entry is not None:

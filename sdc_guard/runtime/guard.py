@@ -25,7 +25,7 @@ from torch.overrides import _get_current_function_mode
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 from .attention import AttentionCall, verify as verify_attention
-from .cache import WeightCache
+from .cache import WeightCache, persistent_parameters, storage_address, storage_addresses
 from .function_mode import GemmFunctionMode, is_compiled, set_sink
 from .intercept import GLOBAL_SITE, Gemm, GemmInterceptor, SiteTracker, current_phase, module_hook_seconds, round_trip_seconds
 from ..core.precision import check_screen
@@ -163,7 +163,7 @@ class Guard:
             if not rerun or not self._watched_last:
                 # a re-execution of an unwatched step (a tripped gradient screen) starts
                 # cold too: the encodings are from the last watched step, maybe long ago
-                self.cache.set_parameters(self.model.parameters())
+                self.cache.set_parameters(persistent_parameters(self.model))
                 if not self._watched_last:  # writes in unwatched steps went unobserved
                     self.cache.invalidate()
             if not self.compiled:  # compiled graphs know their sites; hooks would recompile them
@@ -401,11 +401,8 @@ class Guard:
         cache = self.cache
         stale = []
         for t in tensors:
-            try:
-                ptr = t.untyped_storage().data_ptr()
-            except (RuntimeError, NotImplementedError):  # a tensor without a storage of its own
-                continue
-            if cache.holds(ptr):
+            ptr = storage_address(t)  # None: a tensor without a storage of its own
+            if ptr is not None and cache.holds(ptr):
                 stale.append(ptr)
         if stale:
             cache.invalidate(stale)
@@ -423,7 +420,7 @@ class Guard:
         be thrown away, and unwatched steps are meant to cost nothing."""
         started = time.perf_counter()
         if params is not None:
-            self.cache.invalidate(p.untyped_storage().data_ptr() for p in params)
+            self.cache.invalidate(storage_addresses(params))
         if self._watching:
             if torch._C._len_torch_dispatch_stack() == 0:
                 self.cache.refresh()

@@ -28,7 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .attention import ATTENTION_HANDLERS, AttentionCall
 from .ops import (  # noqa: F401  (the registry's former home: these names stay importable here)
-    ATTENTION_OPS, GEMM_HANDLERS, UNVERIFIED_GEMM_OPS, Gemm, Handler, Route, RoutingMode,
+    ATTENTION_OPS, GEMM_HANDLERS, UNVERIFIED_GEMM_OPS, Gemm, Handler, Route, RoutingMode, defer_to_dtensor,
+    on_fake_tensors,
 )
 
 GLOBAL_SITE = "global"
@@ -243,6 +244,10 @@ class GemmInterceptor(RoutingMode):
     """Dispatch mode that reports every GEMM (and every unverifiable GEMM-bearing op), routed
     by the op registry (``sdc_guard.runtime.ops``: composite ops decomposed, the bodies of
     ``torch.cond`` and flex attention run under the mode, unknown HOPs counted).
+
+    A call on ``DTensor`` s is handed to ``DTensor`` (``ops.defer_to_dtensor``): its local
+    op, on the local shards, comes back to this mode and is verified. A call on
+    ``FakeTensor`` s runs unaccounted (``ops.on_fake_tensors``).
 
     >>> seen = []
     >>> class Sink:

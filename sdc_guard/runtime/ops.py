@@ -30,6 +30,7 @@ counted as ``higher_order.<name>``. No op, known or not, makes the mode raise.
 from __future__ import annotations
 
 import enum
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -239,6 +240,30 @@ HOP_BODIES: dict[str, Callable[[TorchDispatchMode, HigherOrderOperator, tuple, d
 }
 
 
+def defer_to_dtensor(types: Any) -> bool:
+    """Whether a dispatch mode should hand this call to ``DTensor`` (return
+    ``NotImplemented``): one of its arguments is a ``DTensor`` (tensor parallelism, FSDP2's
+    sharded parameters). ``DTensor.__torch_dispatch__`` then redistributes what it must and
+    runs the local op on the local shards, and that local call comes back to the mode with
+    plain tensors: the GEMM that really runs, on the data it really reads, is what the mode
+    verifies (docs/DISTRIBUTED.md). Cheap for plain tensors (``types`` is empty)."""
+    return _any_subclass(types, "torch.distributed.tensor", "DTensor")
+
+
+def on_fake_tensors(types: Any) -> bool:
+    """Whether this call computes on ``FakeTensor`` s (no data: ``DTensor``'s sharding
+    propagation runs each new op once on fake tensors, with the mode still on the stack):
+    a mode runs it and accounts nothing."""
+    return _any_subclass(types, "torch._subclasses.fake_tensor", "FakeTensor")
+
+
+def _any_subclass(types: Any, module: str, name: str) -> bool:
+    if not types:
+        return False
+    cls = getattr(sys.modules.get(module), name, None)
+    return cls is not None and any(issubclass(t, cls) for t in types)
+
+
 class RoutingMode(TorchDispatchMode):
     """The dispatch mode both the guard's interceptor and the fault injector are: routes
     every op by :func:`route_of` and every HOP by :data:`HOP_BODIES`, and hands each op it
@@ -265,6 +290,12 @@ class RoutingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if types:
+            if defer_to_dtensor(types):  # its local op, on the local shards, comes back here
+                self.ops += 1
+                return NotImplemented
+            if on_fake_tensors(types):  # DTensor's sharding propagation: no data, nothing to account
+                return func(*args, **kwargs)
         self.ops += 1
         if isinstance(func, HigherOrderOperator):
             return self._higher_order(func, args, kwargs)

@@ -1,0 +1,115 @@
+"""protect() under PyTorch's sharded training: FSDP2 (``fully_shard``) and tensor parallelism.
+
+Real gloo process groups on CPU (tests/fsdp_worker.py), the tiny GPT of tests/models.py:
+clean training is verified GEMM by GEMM and changes nothing, a transient fault on one rank
+is re-executed by all ranks and leaves the run bit-identical to a clean one, a persistent
+fault rolls every rank back to the sharded snapshot (parameters and Adam moments).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from sdc_guard.runtime.cache import WeightCache, storage_address
+
+sys.path.insert(0, str(Path(__file__).parent))  # the worker module, spawned by name
+
+#: GEMMs of one training step of the 1-layer tiny GPT: 7 in the forward (qkv, q@k, att@v,
+#: proj, fc1, fc2, head), 14 in the backward; sharding changes where they run, not how many.
+GEMMS_PER_STEP = 21
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(tmp_path: Path, kind: str, world_size: int, scenarios: tuple[str, ...]) -> tuple[list, list]:
+    import fsdp_worker
+
+    mp.spawn(fsdp_worker.run, args=(world_size, _free_port(), kind, scenarios, str(tmp_path)),
+             nprocs=world_size, join=True)
+    states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
+    summaries = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
+    return states, summaries
+
+
+def _same(a: dict, b: dict) -> bool:
+    """Bit-for-bit equality of two gathered states (parameters and Adam moments)."""
+    return (len(a["params"]) == len(b["params"]) and len(a["moments"]) == len(b["moments"])
+            and all(torch.equal(x, y) for x, y in zip(a["params"] + a["moments"], b["params"] + b["moments"])))
+
+
+def _check(states: list, summaries: list, world_size: int, *, cached: bool) -> None:
+    scenarios = list(summaries[0])
+    for rank in range(world_size):
+        for scenario in scenarios:
+            # every rank ends every scenario in the same full state
+            assert _same(states[rank][scenario][-1], states[0][scenario][-1]), (rank, scenario)
+            if scenario == "bare":
+                continue
+            reports = summaries[rank][scenario]["reports"]
+            assert [(r["seen"], r["verified"], r["unverified"]) for r in reports] == \
+                [(GEMMS_PER_STEP, GEMMS_PER_STEP, {})] * len(reports)
+            # FSDP2's gathered weights are never cached; tensor-parallel shards are
+            assert (reports[-1]["cache_hits"] > 0) == cached
+            flagged = [(i, r["flagged"] > 0) for i, r in enumerate(reports) if r["flagged"]]
+            expected = {"clean": [], "transient": [(2, True)] if rank == 1 else [],
+                        "persistent": [(3, True)] if rank == world_size - 1 else []}[scenario]
+            assert flagged == expected, (rank, scenario)
+        # every rank took the same response
+        assert {s: summaries[rank][s]["outcomes"] for s in scenarios} == \
+            {s: summaries[0][s]["outcomes"] for s in scenarios}
+    outcomes = summaries[0]
+    responses = {s: [(o["step"], o["flagged_ranks"], o["classification"], o["action"], o["rolled_back_to"])
+                     for o in outcomes[s]["outcomes"] if o["flagged_ranks"]] for s in scenarios if s != "bare"}
+    assert responses["clean"] == []
+    assert responses["transient"] == [(2, [1], "transient", "recompute", None)]
+    assert responses["persistent"] == [(3, [world_size - 1], "persistent", "rollback", 2)]
+    ours = states[0]
+    if "bare" in ours:  # the guard changes nothing in a clean run
+        assert all(_same(a, b) for a, b in zip(ours["clean"], ours["bare"]))
+    assert _same(ours["transient"][-1], ours["clean"][-1])  # re-executed bit for bit
+    # the rollback at step 3 returned every shard to the snapshot of step 2
+    assert _same(ours["persistent"][3], ours["clean"][2])
+    assert not _same(ours["persistent"][2], ours["clean"][1])  # (a state that moved)
+
+
+@pytest.mark.slow
+def test_fsdp2_two_ranks(tmp_path: Path) -> None:
+    states, summaries = _spawn(tmp_path, "fsdp", 2, ("bare", "clean", "transient", "persistent"))
+    _check(states, summaries, 2, cached=False)
+
+
+@pytest.mark.slow
+def test_fsdp2_four_ranks(tmp_path: Path) -> None:
+    states, summaries = _spawn(tmp_path, "fsdp", 4, ("clean", "transient", "persistent"))
+    _check(states, summaries, 4, cached=False)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_two_ranks(tmp_path: Path) -> None:
+    states, summaries = _spawn(tmp_path, "tp", 2, ("bare", "clean", "transient", "persistent"))
+    _check(states, summaries, 2, cached=True)
+
+
+def test_storage_address_of_freed_and_storageless_tensors() -> None:
+    """FSDP2 frees an unsharded parameter by resizing its storage to nothing: such a
+    tensor, like a meta tensor, has no address, so it is never registered or cached."""
+    w = torch.nn.Parameter(torch.randn(8, 4))
+    freed = torch.empty(8, 4)
+    freed.untyped_storage().resize_(0)
+    assert storage_address(w) == w.untyped_storage().data_ptr()
+    assert storage_address(freed) is None and storage_address(torch.empty(2, device="meta")) is None
+    cache = WeightCache()
+    cache.set_parameters([w, freed])
+    assert cache.is_cacheable(w.t()) and not cache.is_cacheable(freed)
+    assert cache.get(freed) is None and cache.stats.uncacheable == 1
