@@ -17,6 +17,7 @@ default (what decoder training runs); ``--no-causal`` for full attention.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 import torch
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> Outcome:
     rows = []
     for i, (dtype, l, d) in enumerate((t, l, d) for t in args.dtypes for l in args.ctx for d in args.head_dims):
         if not args.quiet:
-            print(f"attention L={l} d={d} {SHORT_NAME[dtype]} ...", file=__import__("sys").stderr, flush=True)
+            print(f"attention L={l} d={d} {SHORT_NAME[dtype]} ...", file=sys.stderr, flush=True)
         rows.append(measure(l, d, dtype, device, args, args.seed + i))
     print(table(["dtype", "L", "d", "fwd ms", "screen ms", "fwd ovh", "bwd ms", "screen ms", "bwd ovh"],
                 [[r["dtype"], r["L"], r["head_dim"], f"{r['ms']['fwd']:.2f}", f"{r['ms']['screen_fwd']:.2f}",
