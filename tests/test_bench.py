@@ -57,6 +57,22 @@ def test_overhead(tmp_path: Path) -> None:
     assert isinstance(summary["targets"]["warm_mean_le_5pct"]["met"], bool)
 
 
+def test_overhead_attention(tmp_path: Path) -> None:
+    """``--attention``: one row per (dtype, L, head dim), GQA accepted, ratios are the
+    paired screen / bare SDPA times (forward and backward), the target stated."""
+    report = bench(tmp_path, "overhead", "--attention", "--ctx", "32,64", "--head-dims", "16",
+                   "--dtypes", "fp32,bf16", "--heads", "4", "--kv-heads", "2", "--reps", "3", "--warmup", "1")
+    rows = report["rows"]
+    assert [(r["dtype"], r["L"], r["head_dim"]) for r in rows] == [
+        ("fp32", 32, 16), ("fp32", 64, 16), ("bf16", 32, 16), ("bf16", 64, 16)]
+    for r in rows:
+        assert r["kv_heads"] == 2 and r["causal"] and set(r["ms"]) == {"fwd", "screen_fwd", "bwd", "screen_bwd"}
+        assert all(v > 0 for v in r["overhead"].values())
+    assert report["target"] == 0.5 and report["worst"] == max(max(r["overhead"].values()) for r in rows)
+    assert cli.main(["bench", "overhead", "--attention", "--heads", "3", "--kv-heads", "2", "--ctx", "8",
+                     "--head-dims", "8", "--quiet"]) == 2  # bad GQA grouping: a clear error, exit 2
+
+
 def test_overhead_default_shape_set() -> None:
     """The shape set of issue 8, and the MOE gate in fp32 only."""
     args = cli.build_parser().parse_args(["bench", "overhead"])

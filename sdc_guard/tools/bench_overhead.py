@@ -46,6 +46,7 @@ from .bench_common import (
 from ..core.legacy import legacy_check
 from ..core.verify import matmul_checksum, verify_matmul
 from ..core.precision import resolve_e_max
+from . import bench_attention
 
 #: A CPU-sized version of the proposal's shapes (RFC 3.3 and its use-case table):
 #: group -> [(M, K, N)].
@@ -111,6 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-recompute", action="store_true", help="skip the full-recompute column")
     parser.add_argument("--plot", default=None, metavar="PATH",
                         help="PNG of overhead against M (default: next to --json, if matplotlib is installed)")
+    bench_attention.add_arguments(parser.add_argument_group("attention (--attention)"))
 
 
 def _shapes_arg(text: str) -> list[tuple[str, tuple[int, int, int]]]:
@@ -376,6 +378,8 @@ def plot(rows: list[dict[str, Any]], path: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> Outcome:
+    if args.attention:  # fused attention (SDPA): its own cells and table
+        return bench_attention.run(args)
     device = resolve_device(args.device)
     todo = cells(args)
     if not todo:
