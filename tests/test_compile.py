@@ -193,6 +193,8 @@ def test_transient_fault_on_compiled_gpt_is_recomputed_to_the_clean_run():
     assert hit.reruns[0].flagged == 0 and hit.reruns[0].verified == GPT_GEMMS
     for a, b in zip(clean.parameters(), faulted.parameters()):
         assert torch.equal(a, b)  # the run went on bit-identical to the clean one
+    # a finished drill leaves no injection point behind (it would corrupt later compiled runs)
+    assert function_mode._local.drills == ()
 
 
 def test_persistent_backward_fault_on_compiled_gpt_rolls_back():

@@ -76,7 +76,9 @@ def add_drill(drill: Callable[[str, Tensor, str, str], None]) -> None:
 
 
 def remove_drill(drill: Callable[[str, Tensor, str, str], None]) -> None:
-    _local.drills = tuple(d for d in _local.drills if d is not drill)
+    """Stop ``drill``. Compared with ``==``: a bound method is a new object at each access,
+    so ``is`` would never match and a finished drill would go on corrupting."""
+    _local.drills = tuple(d for d in _local.drills if d != drill)
 
 
 #: The counter ``check_gemm`` mutates: what keeps it in the graph (a custom op that
