@@ -44,7 +44,7 @@ from .bench_common import (
     resolve_device, shape_label, spread, table, time_columns,
 )
 from ..core.legacy import legacy_check
-from ..core.verify import matmul_checksum, verify_matmul
+from ..verify import matmul_checksum, verify_matmul
 from ..core.precision import resolve_e_max
 
 #: A CPU-sized version of the proposal's shapes (RFC 3.3 and its use-case table):
