@@ -48,6 +48,7 @@ def test_public_names() -> None:
     assert set(sdc_guard.__all__) - {"SDCGuard"} <= set(dir(sdc_guard))
 
 
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_former_path_in_a_fresh_process() -> None:
     """``import sdc_guard.sampling`` as the first import of a process (the parent's
     ``__init__`` registers the former paths before the child is looked up)."""

@@ -521,6 +521,7 @@ def test_kernels_borrow_torchs_openmp_pool() -> None:
 
 
 @needs_native
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_pthreads_fallback_same_bits(tmp_path: Path) -> None:
     """With SDC_GUARD_NATIVE_OPENMP=0 the kernels split work on their own threads, with
     the same bits as the OpenMP split and as one thread."""
