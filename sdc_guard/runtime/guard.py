@@ -14,6 +14,7 @@ warns once, counts the GEMM as unverified, and never stops training.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -23,19 +24,35 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.overrides import _get_current_function_mode
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 from .. import backends
 from ..backends import Backend, GemmRequest
+from .attention import AttentionCall, verify as verify_attention
 from .cache import WeightCache
-from .intercept import Gemm, GemmInterceptor, SiteTracker, current_phase, module_hook_seconds, round_trip_seconds
+from .function_mode import GemmFunctionMode, is_compiled, set_sink
+from .intercept import GLOBAL_SITE, Gemm, GemmInterceptor, SiteTracker, current_phase, module_hook_seconds, round_trip_seconds
 from ..core.precision import SUPPORTED_DTYPES, check_e_max, check_screen, resolve_screen
 from .ledger import Pending, StepLedger
 from .report import KindKey, StepReport
-from ..respond.policy import Policy, Responder, StepOutcome
+from ..respond.outcome import StepOutcome
+from ..respond.policy import Policy
+from ..respond.responder import Responder
 from .sampling import Full, GradientScreen, Sampler, SiteKey, check_sampler, sampler_screens, sampler_watches
 from ..respond.snapshot import SnapshotStore
 from .stats import ScreenStats
+
+#: The guards active on each thread, outermost first (``Guard.owns_outside_gemm``).
+_thread_guards = threading.local()
+
+
+def _active_guards() -> list["Guard"]:
+    guards = getattr(_thread_guards, "guards", None)
+    if guards is None:
+        guards = _thread_guards.guards = []
+    return guards
+
 
 #: Next step number per model, so per-step ``protect()`` blocks continue one schedule.
 _next_step: "weakref.WeakKeyDictionary[nn.Module, int]" = weakref.WeakKeyDictionary()
@@ -85,6 +102,7 @@ class Guard:
         metrics: MetricsSink | None = None,
         stats: bool = False,
         screen: str = "default",
+        compiled: bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -107,6 +125,12 @@ class Guard:
             raise TypeError(f"snapshots: expected a sdc_guard.SnapshotStore, got {type(snapshots).__name__}")
         if not isinstance(stats, bool):
             raise TypeError(f"stats: expected a bool, got {type(stats).__name__}")
+        if compiled is not None and not isinstance(compiled, bool):
+            raise TypeError(f"compiled: expected a bool or None (None: True when the model or one of its "
+                            f"modules is compiled), got {type(compiled).__name__} {compiled!r}")
+        #: the compiled route (docs/COMPILE.md): a function mode dynamo traces, checks inside
+        #: the graphs; else the dispatch mode, which makes dynamo run every frame eagerly
+        self.compiled = compiled if compiled is not None else is_compiled(model)
         #: per-site screen D/T statistics (``protect(stats=True)``), else ``None``
         self.screen_stats: ScreenStats | None = ScreenStats() if stats else None
         if metrics is not None:
@@ -125,7 +149,8 @@ class Guard:
         self.reports: deque[StepReport] = deque(maxlen=history)
         self.rank = rank if rank is not None else _current_rank()
         self._sites = SiteTracker(model)
-        self._mode: GemmInterceptor | None = None
+        self._mode: GemmInterceptor | GemmFunctionMode | None = None
+        self._previous_sink: Any = None  #: the compiled route's sink before ours (nested guards)
         self._active = False  #: interception asked for (activate/deactivate)
         self._watching = True  #: the open step's GEMMs are to be seen (the sampler's call)
         self._watched_last = False  #: the previous step was watched (its writes were observed)
@@ -191,7 +216,8 @@ class Guard:
                 self.cache.set_parameters(self.model.parameters())
                 if not self._watched_last:  # writes in unwatched steps went unobserved
                     self.cache.invalidate()
-            self._sites.start()
+            if not self.compiled:  # compiled graphs know their sites; hooks would recompile them
+                self._sites.start()
         self._watched_last = self._watching
         self._step_open = True
         self._sync_mode()
@@ -206,8 +232,12 @@ class Guard:
         else:
             self._carry += seconds
 
-    def end_step(self) -> StepReport:
-        """Close the open step: read its flags (one host sync) and report it."""
+    def end_step(self, *, closure_raised: bool = False) -> StepReport:
+        """Close the open step: read its flags (one host sync) and report it.
+        ``closure_raised``: ``optimizer_step``'s closure raised (the step was not screened
+        for that reason, not for a missing ``optimizer_step``)."""
+        if closure_raised:
+            self._screen_tried = True
         report = self._close_step(keep_empty=True)
         assert report is not None
         return report
@@ -348,6 +378,7 @@ class Guard:
         if self._active:
             raise RuntimeError("this Guard is already active")
         self._active = True
+        _active_guards().append(self)
         self.cache.invalidate()  # whatever was written while inactive went unobserved
         self._optimizers.install()
         self._sync_mode()
@@ -355,6 +386,9 @@ class Guard:
     def deactivate(self) -> None:
         """Stop intercepting; an open step stays open."""
         self._active = False
+        guards = _active_guards()
+        if self in guards:
+            guards.remove(self)
         self._optimizers.remove()
         self._sync_mode()
 
@@ -372,11 +406,18 @@ class Guard:
         """
         wanted = self._active and self._watching and not self._paused
         if wanted and self._mode is None:
-            self._mode = GemmInterceptor(self)
+            if self.compiled:
+                self._mode = GemmFunctionMode()
+                self._previous_sink = set_sink(self)
+            else:
+                self._mode = GemmInterceptor(self)
             self._mode.__enter__()
         elif not wanted and self._mode is not None and (
-                not self._active or _get_current_dispatch_mode() is self._mode):
+                not self._active or self._mode in (_get_current_dispatch_mode(), _get_current_function_mode())):
             self._mode.__exit__(None, None, None)
+            if self.compiled:
+                set_sink(self._previous_sink)
+                self._previous_sink = None
             self._ledger.ops += self._mode.ops
             self._mode = None
 
@@ -441,24 +482,40 @@ class Guard:
                     self.cache.refresh()
         self.charge(time.perf_counter() - started)  # a cost of the guard, often between steps
 
-    def on_gemm(self, gemm: Gemm) -> None:
-        """Called by the dispatch mode for every GEMM: sample, verify, keep flags on device."""
+    def on_gemm(self, gemm: Gemm, site: str | None = None, phase: str | None = None) -> None:
+        """Called by the dispatch mode (or the compiled route's ``check_gemm``, with the
+        site and phase it knew at trace time) for every GEMM: sample, verify, keep flags
+        on device."""
         if not self._watching:
             return
         started = time.perf_counter()
         try:
-            self._on_gemm(gemm)
+            self._on_gemm(gemm, site, phase)
         finally:
             self._ledger.hook_seconds += time.perf_counter() - started
 
-    def _on_gemm(self, gemm: Gemm) -> None:
-        phase = current_phase()
+    def owns_outside_gemm(self) -> bool:
+        """Whether a GEMM running outside this guard's model is accounted here: only by
+        the outermost guard active on this thread, and only if no other active guard
+        there places it inside its own model. So each guard accounts the GEMMs of its
+        own model (nested guards both account the inner model's), and a GEMM outside
+        every guarded model (a loss's matmul) is accounted once, by the outermost."""
+        guards = _active_guards()
+        if not guards or guards[0] is not self:
+            return not guards  # no guard registered on this thread: an autograd worker
+        return not any(g._sites.inside() for g in guards[1:])
+
+    def _on_gemm(self, gemm: Gemm, module: str | None = None, phase: str | None = None) -> None:
+        phase = phase or current_phase()
+        site_name = module if module is not None else self._sites.site(gemm.out, (gemm.a, gemm.b))
+        if site_name == GLOBAL_SITE and not self.owns_outside_gemm():
+            return  # another guarded model's GEMM
         kind: KindKey = (gemm.op, phase, str(gemm.a.dtype).removeprefix("torch."))
         call_index = self._ledger.see(kind)
         if not _verifiable(gemm):
             self.on_unverified(f"{gemm.op}[{kind[2]}]")
             return
-        site: SiteKey = (self._sites.site(gemm.out, (gemm.a, gemm.b)), phase, gemm.op)
+        site: SiteKey = (site_name, phase, gemm.op)
         self._ledger.sites_seen.add(site)
         if self._attempt == 0 and not self.sampler.should_verify(site):
             return
@@ -478,6 +535,40 @@ class Guard:
         elapsed = self._ledger.clock.stop(device, started)
         shape = (*gemm.out.shape[:-2], gemm.a.shape[-2], gemm.a.shape[-1], gemm.b.shape[-1])
         self._ledger.record(Pending(site, kind, call_index, shape, gemm.a.dtype, sdc, summary), elapsed)
+
+    def on_attention(self, call: AttentionCall) -> None:
+        """Called by the dispatch mode for every fused attention call (``sdpa`` forward,
+        ``sdpa_backward``): counted, sampled and verified like a GEMM, at the site of the
+        module that ran it (sdc_guard.runtime.attention, docs/ATTENTION.md)."""
+        if not self._watching:
+            return
+        started = time.perf_counter()
+        try:
+            phase = current_phase()
+            kind: KindKey = (call.op, phase, str(call.dtype).removeprefix("torch.") if call.out is not None else "?")
+            call_index = self._ledger.see(kind)
+            if call.operands is None:
+                self.on_unverified(f"{call.kernel}[{call.reason}]")
+                return
+            ops = call.operands
+            site: SiteKey = (self._sites.site(call.site_tensor, (ops.q, ops.k, ops.v)), phase, call.op)
+            self._ledger.sites_seen.add(site)
+            if self._attempt == 0 and not self.sampler.should_verify(site):
+                return
+            device = call.site_tensor.device
+            began = self._ledger.clock.start(device)
+            try:
+                with _disable_current_modes():
+                    sdc, summary = verify_attention(call)
+            except Exception as exc:  # a monitoring failure never stops training
+                self._warn_once(f"verify:{type(exc).__name__}", f"sdc_guard: could not verify an {call.op} call "
+                                f"({type(exc).__name__}: {exc}); counting it as unverified")
+                self.on_unverified(call.kernel)
+                return
+            elapsed = self._ledger.clock.stop(device, began)
+            self._ledger.record(Pending(site, kind, call_index, call.shape, call.dtype, sdc, summary), elapsed)
+        finally:
+            self._ledger.hook_seconds += time.perf_counter() - started
 
     def _verify(self, gemm: Gemm) -> tuple[Tensor | None, Tensor | list[float]]:
         key = (gemm.a.device, gemm.a.dtype)
@@ -697,6 +788,7 @@ def protect(
     cache_bytes: int = 512 << 20,
     stats: bool = False,
     screen: str = "default",
+    compiled: bool | None = None,
 ) -> Guard:
     """Verify the GEMMs ``model`` runs inside the block, forward and backward.
 
@@ -714,7 +806,11 @@ def protect(
     screen's D/T per site over the run in ``guard.screen_stats`` (``sdc_guard.runtime.stats``: how
     far the threshold sits from this model's data); ``screen`` chooses the screen's
     threshold, ``"default"`` or ``"tight"`` (``sdc_guard.core.precision.SCREENS``: the tight one
-    sees smaller errors and suspects more clean products, each cleared exactly).
+    sees smaller errors and suspects more clean products, each cleared exactly);
+    ``compiled`` chooses the route: ``True`` checks the GEMMs inside ``torch.compile``'s
+    graphs (a function mode dynamo traces, docs/COMPILE.md), ``False`` uses the dispatch
+    mode (compiled frames then run eagerly), ``None`` is ``True`` when the model or one of
+    its modules is compiled (pass ``True`` for a compiled function that runs the model).
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     >>> with protect(model) as guard:
@@ -724,4 +820,4 @@ def protect(
     """
     return Guard(model, sampler=sampler, e_max=e_max, backend=backend, history=history,
                  cache_bytes=cache_bytes, policy=policy, snapshots=snapshots, metrics=metrics, stats=stats,
-                 screen=screen)
+                 screen=screen, compiled=compiled)

@@ -26,10 +26,13 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
+from .attention import ATTENTION_HANDLERS, BACKWARD_OP, FORWARD_OP, fault_target, op_name
+from .function_mode import add_drill, function_mode_active, remove_drill
 from .guard import current_step
-from .intercept import GEMM_HANDLERS, GemmInterceptor, SiteTracker, current_phase
+from .intercept import GEMM_HANDLERS, GLOBAL_SITE, GemmInterceptor, SiteTracker, current_phase
+from .ops import Route, RoutingMode
 
 _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 _TOP_EXPONENT_BIT = {torch.float32: 30, torch.float16: 14, torch.bfloat16: 14}
@@ -51,6 +54,10 @@ class GemmFault:
     highest exponent bit and ``direction`` to ``"on"`` (0 -> 1; ``"off"`` is 1 -> 0,
     ``"flip"`` toggles). A bit already in the requested state leaves the value unchanged
     and the event is recorded as a no-op.
+
+    Fused attention (``scaled_dot_product_attention``'s kernels) is targeted with
+    ``op="sdpa"`` (the forward output ``O``, ``[B, H, L, Dv]``) or ``op="sdpa_backward"``
+    with ``output`` 0 (grad_query, the default), 1 (grad_key) or 2 (grad_value).
     """
 
     site: str | None = None
@@ -62,6 +69,7 @@ class GemmFault:
     bit: int | None = None
     direction: str = "on"
     sticky: bool = False
+    output: int | None = None
 
     def __post_init__(self) -> None:
         if self.site is not None and (not isinstance(self.site, str) or not self.site):
@@ -70,9 +78,12 @@ class GemmFault:
             raise ValueError(f"direction: expected one of {DIRECTIONS}, got {self.direction!r}")
         if self.phase not in (None, "forward", "backward"):
             raise ValueError(f"phase: expected 'forward', 'backward' or None, got {self.phase!r}")
-        ops = sorted({str(p).split(".")[-1] for p in GEMM_HANDLERS})
+        ops = sorted({str(p).split(".")[-1] for p in GEMM_HANDLERS}) + [FORWARD_OP, BACKWARD_OP]
         if self.op is not None and (not isinstance(self.op, str) or self.op not in ops):
             raise ValueError(f"op: expected a GEMM op such as 'mm' or 'addmm' ({', '.join(ops)}), got {self.op!r}")
+        if self.output is not None and (isinstance(self.output, bool) or self.output not in (0, 1, 2)):
+            raise ValueError(f"output: expected 0 (grad_query), 1 (grad_key), 2 (grad_value) or None, "
+                             f"got {self.output!r}")
         for name in ("step", "call", "bit"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -158,7 +169,7 @@ def _random_element(shape: torch.Size, rng: random.Random) -> tuple[int, ...]:
     return tuple(rng.randrange(s) for s in shape)
 
 
-class FaultInjector(TorchDispatchMode):
+class FaultInjector(RoutingMode):
     """Dispatch mode applying ``faults`` to the GEMMs of ``model``; see the module doc.
 
     ``injections`` lists what was done, in order.
@@ -183,8 +194,15 @@ class FaultInjector(TorchDispatchMode):
         self._count_step = -1
         self._positions: dict[tuple[int, int], tuple[int, ...]] = {}  #: element of each sticky fault
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let dynamo compile under a drill: on the compiled route the drill corrupts each
+        GEMM's output where the in-graph check reads it (``_at_check``), so compiled
+        frames must compile for it to test what runs (docs/COMPILE.md)."""
+        return True
+
     def __enter__(self) -> "FaultInjector":
-        if any(isinstance(m, GemmInterceptor) for m in _get_current_dispatch_mode_stack()):
+        if any(isinstance(m, GemmInterceptor) for m in _get_current_dispatch_mode_stack()) or function_mode_active():
             raise RuntimeError(
                 "drill(): enter the injector before protect(), e.g. "
                 "`with drill(model, fault), protect(model):`; inside protect() the guard "
@@ -193,31 +211,60 @@ class FaultInjector(TorchDispatchMode):
         for fault in self.faults:
             check_site(self.model, fault.site)
         self._sites.start()
+        add_drill(self._at_check)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
+        remove_drill(self._at_check)
         self._sites.stop()
 
     def remove(self, fault: GemmFault) -> None:
         """Stop applying ``fault`` (a replaced node no longer has the faulty unit)."""
         self.faults = [f for f in self.faults if f is not fault]
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        packet = func.overloadpacket
-        if packet in GEMM_HANDLERS and func is packet.default and isinstance(out, Tensor) and out.dtype in _INT_VIEW:
-            self._maybe_corrupt(str(packet).split(".")[-1], out, args)
-        return out
+    def after(self, func: Any, route: Route, args: tuple, kwargs: dict, out: Any) -> None:
+        """Routed like the guard's mode (``sdc_guard.runtime.ops``): the GEMMs inside composite
+        ops and the eager bodies of ``torch.cond`` and flex attention are drilled too, and
+        fused attention kernels (``op="sdpa"`` / ``"sdpa_backward"``). On the compiled route
+        the drill corrupts at the in-graph check instead (``_at_check``)."""
+        if function_mode_active():
+            return
+        if route is Route.GEMM and isinstance(out, Tensor) and out.dtype in _INT_VIEW:
+            self._maybe_corrupt(str(func.overloadpacket).split(".")[-1], out, args)
+        elif route is Route.ATTENTION and func.overloadpacket in ATTENTION_HANDLERS \
+                and func is func.overloadpacket.default:
+            self._maybe_corrupt_attention(func.overloadpacket, out, args)
 
-    def _maybe_corrupt(self, op: str, out: Tensor, args: tuple) -> None:
+    def _maybe_corrupt_attention(self, packet: Any, out: Any, args: tuple) -> None:
+        """A fused attention call: its output (forward) or one gradient (backward) per
+        fault, chosen by ``GemmFault.output``."""
+        op = op_name(packet)
+        for fault in self.faults:
+            if fault.op != op:
+                continue
+            target = fault_target(packet, out, fault.output)
+            if target is not None and target.dtype in _INT_VIEW:
+                self._maybe_corrupt(op, target, args, only=fault)
+
+    def _at_check(self, op: str, out: Tensor, site: str, phase: str) -> None:
+        """The compiled route's injection point (``function_mode.check_gemm``): corrupt
+        ``out`` in place just before the in-graph check reads it, as a faulty unit would
+        have written it; ``site`` and ``phase`` are those the graph was traced with."""
+        if out.dtype in _INT_VIEW:
+            self._maybe_corrupt(op, out, (), site=site or GLOBAL_SITE, phase=phase)
+
+    def _maybe_corrupt(self, op: str, out: Tensor, args: tuple, *, site: str | None = None,
+                       phase: str | None = None, only: GemmFault | None = None) -> None:
         step = current_step(self.model)
         if step != self._count_step:
             self._counts, self._count_step = {}, step
-        site, phase = self._sites.site(out, tuple(a for a in args if isinstance(a, Tensor))), current_phase()
+        if site is None:
+            site = self._sites.site(out, tuple(a for a in args if isinstance(a, Tensor)))
+        phase = phase or current_phase()
         for i, fault in enumerate(self.faults):
             key = id(fault)
-            if key in self._spent or not _matches(fault, site, op, phase, step):
+            if key in self._spent or (only is not None and fault is not only) or not _matches(fault, site, op, phase, step):
                 continue
             call = self._counts.get(key, 0)
             self._counts[key] = call + 1
@@ -241,6 +288,7 @@ class FaultInjector(TorchDispatchMode):
 def sites_of(model: nn.Module) -> list[str]:
     """The sites ``model``'s GEMMs can have: its module paths, its class name (the model
     itself) and ``"global"`` (a GEMM outside every module)."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile(model): the sites are the model's
     root = type(model).__name__
     return [name or root for name, _ in model.named_modules()] + ["global"]
 

@@ -17,8 +17,8 @@ the encoding of its good value (``sdc_guard.runtime.cache``).
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
@@ -26,89 +26,12 @@ from torch import Tensor
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-aten = torch.ops.aten
+from .attention import ATTENTION_HANDLERS, AttentionCall
+from .ops import (  # noqa: F401  (the registry's former home: these names stay importable here)
+    ATTENTION_OPS, GEMM_HANDLERS, UNVERIFIED_GEMM_OPS, Gemm, Handler, Route, RoutingMode,
+)
 
 GLOBAL_SITE = "global"
-
-
-@dataclass(frozen=True)
-class Gemm:
-    """One intercepted GEMM: ``out = beta * bias + alpha * (a @ b)``, batch dims broadcast."""
-
-    op: str
-    a: Tensor
-    b: Tensor
-    out: Tensor
-    bias: Tensor | None = None
-    alpha: float = 1.0
-    beta: float = 1.0
-
-
-Handler = Callable[[tuple, dict, Any], "Gemm | None"]
-
-
-def _mm(args: tuple, kwargs: dict, out: Tensor) -> Gemm:
-    return Gemm("mm", args[0], args[1], out)
-
-
-def _bmm(args: tuple, kwargs: dict, out: Tensor) -> Gemm:
-    return Gemm("bmm", args[0], args[1], out)
-
-
-def _addmm_like(name: str) -> Handler:
-    def handler(args: tuple, kwargs: dict, out: Tensor) -> Gemm:
-        beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
-        alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
-        return Gemm(name, args[1], args[2], out, args[0], float(alpha), float(beta))
-
-    return handler
-
-
-def _linear(args: tuple, kwargs: dict, out: Tensor) -> Gemm | None:
-    x, w = args[0], args[1]
-    bias = kwargs.get("bias", args[2] if len(args) > 2 else None)
-    if w.dim() != 2:
-        return None
-    if x.dim() == 1:
-        return Gemm("linear", x.unsqueeze(0), w.t(), out.unsqueeze(0), bias)
-    return Gemm("linear", x, w.t(), out, bias)
-
-
-def _matmul(args: tuple, kwargs: dict, out: Tensor) -> Gemm | None:
-    x, y = args[0], args[1]
-    if x.dim() == 1 and y.dim() == 1:
-        return None  # a dot product: no GEMM to checksum
-    if x.dim() == 1:
-        return Gemm("matmul", x.unsqueeze(0), y, out.unsqueeze(-2))
-    if y.dim() == 1:
-        return Gemm("matmul", x, y.unsqueeze(-1), out.unsqueeze(-1))
-    return Gemm("matmul", x, y, out)
-
-
-#: aten overload packet -> handler. Adding an op is adding one line here.
-GEMM_HANDLERS: dict[Any, Handler] = {
-    aten.mm: _mm,
-    aten.addmm: _addmm_like("addmm"),
-    aten.bmm: _bmm,
-    aten.baddbmm: _addmm_like("baddbmm"),
-    aten.linear: _linear,
-    aten.matmul: _matmul,
-}
-
-#: Ops that carry GEMMs sdc_guard cannot verify: counted in reports, passed through.
-UNVERIFIED_GEMM_OPS: frozenset[Any] = frozenset(
-    getattr(aten, name)
-    for name in (
-        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
-        "_efficient_attention_forward", "_scaled_dot_product_flash_attention_backward",
-        "_scaled_dot_product_flash_attention_for_cpu_backward",
-        "_scaled_dot_product_efficient_attention_backward", "_addmm_activation", "convolution",
-        "convolution_backward", "_scaled_mm", "_int_mm", "addmv", "mv", "addbmm", "dot", "vdot",
-    )
-    if hasattr(aten, name)
-)
 
 
 def current_phase() -> str:
@@ -135,12 +58,17 @@ class SiteTracker:
     multi-grad hooks cost about 4 % of a small model's CPU step, as much as the dispatch
     mode itself. A GEMM in the backward of a custom ``autograd.Function`` (no forward GEMM
     of its own) is attributed to ``"global"``.
+
+    Module hooks fire on every thread that calls the model, so the stack of running
+    modules is kept per thread: two guards on one shared model in two threads (each
+    guard's dispatch mode sees only its own thread) never see each other's modules.
     """
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._key = f"sdc_guard.site.{id(self)}"  #: node metadata key (one per tracker)
-        self._stack: list[str] = []
+        self._stack: list[str] = []  #: running modules on the thread that called ``start``
+        self._stacks: dict[int, list[str]] = {}  #: running modules, per thread
         self._hooks: list[Any] = []
         self._pending: list[tuple[Tensor, str]] = []  #: forward outputs awaiting their grad_fn
         self.calls = 0  #: module calls that ran the hooks (each paid ``module_hook_seconds``)
@@ -148,6 +76,7 @@ class SiteTracker:
     def start(self) -> None:
         """Install the module hooks (once per step: modules added since are seen too)."""
         self.stop()
+        self._stacks[threading.get_ident()] = self._stack
         root = type(self.model).__name__
         for name, module in self.model.named_modules():
             self._hooks.append(module.register_forward_pre_hook(self._pusher(name or root)))
@@ -158,17 +87,27 @@ class SiteTracker:
             handle.remove()
         self._hooks.clear()
         self._stack.clear()
+        self._stacks.clear()
         self._pending.clear()
 
     def _pusher(self, name: str) -> Callable[..., None]:
         def push(module: nn.Module, args: Any) -> None:
             self.calls += 1
-            self._stack.append(name)
+            self._thread_stack().append(name)
         return push
 
+    def _thread_stack(self) -> list[str]:
+        """The calling thread's stack. In a frame dynamo traces, the starting thread's:
+        dynamo cannot trace ``threading.get_ident`` without a graph break, and a
+        compiled frame's sites are known at trace time anyway."""
+        if torch.compiler.is_compiling():
+            return self._stack
+        return self._stacks.setdefault(threading.get_ident(), [])
+
     def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._stack:
-            self._stack.pop()
+        stack = self._thread_stack()
+        if stack:
+            stack.pop()
 
     def _label_pending(self) -> None:
         """Write the site of each forward GEMM seen into its (now attached) autograd node."""
@@ -178,15 +117,28 @@ class SiteTracker:
                 node.metadata[self._key] = site
         self._pending.clear()
 
+    def inside(self) -> bool:
+        """Whether the GEMM running now on this thread is the model's: inside one of its
+        modules' forward, or in the backward of one of its forward GEMMs."""
+        if self._pending:
+            self._label_pending()
+        if self._stacks.get(threading.get_ident()):
+            return True
+        if torch._C._current_graph_task_id() == -1:
+            return False
+        node = torch._C._current_autograd_node()
+        return node is not None and node.metadata.get(self._key, GLOBAL_SITE) != GLOBAL_SITE
+
     def site(self, out: Tensor, operands: tuple[Tensor, ...]) -> str:
         """The site of the GEMM that produced ``out`` from ``operands`` (see the class doc)."""
         if self._pending:
             self._label_pending()
-        if not self._stack and torch._C._current_graph_task_id() != -1:  # a backward GEMM
+        stack = self._stacks.get(threading.get_ident())
+        if not stack and torch._C._current_graph_task_id() != -1:  # a backward GEMM
             node = torch._C._current_autograd_node()
             return node.metadata.get(self._key, GLOBAL_SITE) if node is not None else GLOBAL_SITE
         # a forward, or one recomputed by activation checkpointing during backward
-        site = self._stack[-1] if self._stack else GLOBAL_SITE
+        site = stack[-1] if stack else GLOBAL_SITE
         if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
             self._pending.append((out, site))
         return site
@@ -264,6 +216,7 @@ class GemmSink(Protocol):
     """What the mode reports to (the ``Guard``)."""
 
     def on_gemm(self, gemm: Gemm) -> None: ...
+    def on_attention(self, call: AttentionCall) -> None: ...
     def on_unverified(self, op: str) -> None: ...
     def on_write(self, tensors: list[Tensor]) -> None: ...
 
@@ -286,8 +239,10 @@ def _written_tensors(args: tuple, kwargs: dict, where: tuple[tuple[int, str], ..
     return out
 
 
-class GemmInterceptor(TorchDispatchMode):
-    """Dispatch mode that reports every GEMM (and every unverifiable GEMM-bearing op).
+class GemmInterceptor(RoutingMode):
+    """Dispatch mode that reports every GEMM (and every unverifiable GEMM-bearing op), routed
+    by the op registry (``sdc_guard.runtime.ops``: composite ops decomposed, the bodies of
+    ``torch.cond`` and flex attention run under the mode, unknown HOPs counted).
 
     >>> seen = []
     >>> class Sink:
@@ -303,36 +258,40 @@ class GemmInterceptor(TorchDispatchMode):
     def __init__(self, sink: GemmSink) -> None:
         super().__init__()
         self.sink = sink
-        # Looked up by the overload's id: OpOverload and OpOverloadPacket hash in Python,
-        # and this lookup runs for every aten op of the model (built per activation, so
-        # a handler added to GEMM_HANDLERS since is seen).
+        # Built per activation, so a handler added to GEMM_HANDLERS since is seen.
         self._handlers = {id(packet.default): handler for packet, handler in GEMM_HANDLERS.items()}
-        self._unverified = {
-            id(getattr(packet, name))
-            for packet in (*GEMM_HANDLERS, *UNVERIFIED_GEMM_OPS)
-            for name in packet.overloads()
-            if id(getattr(packet, name)) not in self._handlers
-        }
+        # fused attention: one handler per SDPA kernel (sdc_guard.runtime.attention)
+        self._attention = {id(packet.default): handler for packet, handler in ATTENTION_HANDLERS.items()}
         self._writes: dict[int, tuple[tuple[int, str], ...]] = {}  #: per overload, what it writes
-        self.ops = 0  #: aten ops seen (each paid the mode's Python round trip)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        self.ops += 1
-        out = func(*args, **kwargs)
+    def after(self, func: Any, route: Route, args: tuple, kwargs: dict, out: Any) -> None:
         key = id(func)
         writes = self._writes.get(key)
         if writes is None:
             writes = self._writes[key] = written_arguments(func)
         if writes:
             self.sink.on_write(_written_tensors(args, kwargs, writes))
-        handler = self._handlers.get(key)
-        if handler is not None:
-            gemm = handler(args, kwargs, out)
+        if route is Route.GEMM:
+            gemm = self._handlers[key](args, kwargs, out)
             if gemm is not None:
                 self.sink.on_gemm(gemm)
-                return out
+                return
             self.sink.on_unverified(str(func.overloadpacket))
-        elif key in self._unverified:
+        elif route is Route.ATTENTION:
+            self.on_attention(func, args, kwargs, out)
+        elif route is Route.UNVERIFIED:
             self.sink.on_unverified(str(func.overloadpacket))
-        return out
+
+    def on_attention(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """A fused attention kernel ran (``ops.ATTENTION_OPS``): handed to attention
+        verification (``sdc_guard.runtime.attention``) where a handler knows the kernel's
+        schema; counted as unverified otherwise (a backward without a handler, an overload)."""
+        handler = self._attention.get(id(func))
+        call = handler(args, kwargs, out) if handler is not None else None
+        if isinstance(call, AttentionCall):
+            self.sink.on_attention(call)
+        else:
+            self.sink.on_unverified(str(func.overloadpacket))
+
+    def on_opaque(self, name: str) -> None:
+        self.sink.on_unverified(name)

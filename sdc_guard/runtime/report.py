@@ -91,6 +91,12 @@ class StepReport:
     nonfinite_grads: int = 0  #: parameters whose gradient held a NaN or an infinity
 
     @property
+    def attention_checks(self) -> int:
+        """Fused attention calls verified (``sdpa`` forward and ``sdpa_backward``; they
+        are also in ``verified`` and in ``by_kind``)."""
+        return sum(c.verified for (op, _, _), c in self.by_kind.items() if op.startswith("sdpa"))
+
+    @property
     def flag(self) -> bool:
         """True if any GEMM of the step was flagged."""
         return self.flagged > 0

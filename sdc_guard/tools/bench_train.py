@@ -72,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=int, default=TARGET_WINDOW,
                         help=f"coverage window in steps, promised by Budget's window= (default {TARGET_WINDOW})")
     model = parser.add_argument_group("model (a GPT with explicit attention matmuls)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model (inductor): Full() and Budget against the compiled "
+                             "unguarded step, the eager figures beside them (docs/COMPILE.md)")
     model.add_argument("--d-model", type=int, default=256)
     model.add_argument("--layers", type=int, default=4)
     model.add_argument("--heads", type=int, default=4)
@@ -185,6 +188,8 @@ def run(args: argparse.Namespace) -> Outcome:
         base = work.model.to(device)
     else:
         base = _model(args, device)
+    if getattr(args, "compile", False):
+        return _run_compiled(args, device, base, work)
     samplers: dict[str, Sampler | None] = {
         "baseline": None, EMPTY_MODE: None, "intercept only": Never(), "Full()": Full(),
         f"Budget({args.budget:g}, window={args.window})": Budget(args.budget, window=args.window),
@@ -308,6 +313,76 @@ def run(args: argparse.Namespace) -> Outcome:
         "load_average": {"before": load_before, "after": load_after},
         "results": results, "targets": targets, "notes": [warning] if warning else [],
     }
+    return Outcome(0, payload)
+
+
+def _run_compiled(args: argparse.Namespace, device: torch.device, base: torch.nn.Module, work: Any) -> Outcome:
+    """``--compile``: the unguarded, ``Full()`` and ``Budget`` steps, each compiled and each
+    eager, interleaved round by round; every ratio is against the unguarded step of the
+    same mode (compiled against compiled, eager against eager)."""
+    budget = f"Budget({args.budget:g}, window={args.window})"
+    configs: dict[str, Sampler | None] = {"baseline": None, "Full()": Full(),
+                                          budget: Budget(args.budget, window=args.window)}
+    names = [(mode, name) for mode in ("compiled", "eager") for name in configs]
+    models = {key: copy.deepcopy(base) for key in names}
+    runs = {key: torch.compile(models[key]) if key[0] == "compiled" else models[key] for key in names}
+    optims = {key: torch.optim.AdamW(models[key].parameters(), lr=work.lr if work else 1e-3) for key in names}
+    fresh = {key: copy.deepcopy(s) for key, s in ((k, configs[k[1]]) for k in names)}
+    autocast = args.dtype == torch.bfloat16
+
+    def train_step(key: tuple[str, str], x: torch.Tensor, y: torch.Tensor, step: int) -> None:
+        run, opt = runs[key], optims[key]
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            if work is not None:
+                loss = work.loss_of(run, step)
+            else:
+                loss = torch.nn.functional.cross_entropy(run(x).flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        opt.step()
+
+    rounds = args.warmup + args.steps
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in names}
+    reports: dict[tuple[str, str], list[Any]] = {key: [] for key in names}
+    for r in range(rounds):
+        x, y = _batch(args, r, device)
+        for key in names[r % len(names):] + names[: r % len(names)]:
+            sampler = fresh[key]
+            sync(device)
+            start = time.perf_counter()
+            if sampler is None:
+                train_step(key, x, y, r)
+            else:
+                with protect(runs[key], sampler=sampler, compiled=key[0] == "compiled") as guard:
+                    train_step(key, x, y, r)
+            sync(device)
+            if r >= args.warmup:
+                times[key].append(time.perf_counter() - start)
+                if sampler is not None and guard.last_report is not None:
+                    reports[key].append(guard.last_report)
+    results = []
+    lines = [f"bench train --compile: {args.steps} rounds, d_model {args.d_model}, {args.layers} layers, "
+             f"batch {args.batch} x ctx {args.ctx}, on {device}"]
+    for key in names:
+        mode, name = key
+        baseline = times[(mode, "baseline")]
+        ratios = [t / b for t, b in zip(times[key], baseline)]
+        reps = reports[key]
+        row = {"mode": mode, "config": name, "step_ms_median": 1e3 * statistics.median(times[key]),
+               "overhead": statistics.median(ratios) - 1.0,
+               "overhead_mean": sum(times[key]) / sum(baseline) - 1.0,
+               "gemms_verified_per_step": statistics.mean(rep.verified for rep in reps) if reps else 0.0,
+               "flagged": sum(rep.flagged for rep in reps)}
+        results.append(row)
+        lines.append(f"  {mode:8s} {name:24s} {row['step_ms_median']:8.1f} ms  overhead median "
+                     f"{100 * row['overhead']:6.1f} %  mean {100 * row['overhead_mean']:6.1f} %  "
+                     f"verified/step {row['gemms_verified_per_step']:.1f}")
+    print("\n".join(lines))
+    payload = {"command": "train --compile", "machine": machine(device),
+               "settings": {"steps": args.steps, "warmup": args.warmup, "budget": args.budget,
+                            "window": args.window, "dtype": SHORT_NAME[args.dtype], "seed": args.seed},
+               "results": results,
+               "targets": {"full_compiled_max": TARGET_FULL, "budget_compiled_max": 0.07}}
     return Outcome(0, payload)
 
 

@@ -1,0 +1,293 @@
+"""The op registry: what each aten op (or higher-order op) that reaches a dispatch mode of
+sdc_guard carries, and how the mode routes it (docs/DESIGN.md, "Interception coverage").
+
+Every op is given one :class:`Route`, once per overload:
+
+- ``GEMM``: a handler in :data:`GEMM_HANDLERS` turns the call into one :class:`Gemm`
+  (``out = beta * bias + alpha * (a @ b)``); the guard verifies it.
+- ``ATTENTION``: a fused scaled-dot-product-attention kernel (:data:`ATTENTION_OPS`): its two
+  GEMMs (``Q K^T``, ``P V``) happen inside one kernel. Counted as unverified today; this
+  route is the one place an attention verifier plugs in.
+- ``UNVERIFIED``: a kernel that multiplies matrices inside but has no handler
+  (:data:`UNVERIFIED_GEMM_OPS`: convolutions, dot products, quantized and grouped GEMMs,
+  fused RNN and transformer layers): run and counted in ``StepReport.unverified_ops``.
+- ``REDISPATCH``: a ``CompositeExplicitAutograd`` kernel built from aten GEMMs
+  (:data:`REDISPATCH_OPS`, ``_trilinear``): its own kernel is run with the mode on, so its
+  inner ``bmm`` calls reach the mode; the result is the kernel's, bit for bit.
+- ``DECOMPOSE``: any other op with a ``CompositeImplicitAutograd`` kernel (``einsum``,
+  ``tensordot``, ``bilinear``, ``scaled_dot_product_attention``, ``chain_matmul``, ...): it
+  reaches a mode undecomposed only where autograd did not decompose it first (under
+  ``torch.inference_mode()``, inside a higher-order op's body); ``func.decompose()`` runs
+  that same kernel with the mode on, so the mode sees what it sees under autograd.
+- ``PLAIN``: everything else; run and passed through.
+
+Higher-order ops (HOPs) are routed by name (:data:`HOP_BODIES`): ``cond`` runs its taken
+branch, ``while_loop`` and ``flex_attention`` (and its backward) their eager kernel, with
+the mode on, so the GEMMs inside are seen; any other HOP is run with the mode off and
+counted as ``higher_order.<name>``. No op, known or not, makes the mode raise.
+"""
+
+from __future__ import annotations
+
+import enum
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import Tensor
+from torch._C import DispatchKey
+from torch._ops import HigherOrderOperator
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One intercepted GEMM: ``out = beta * bias + alpha * (a @ b)``, batch dims broadcast."""
+
+    op: str
+    a: Tensor
+    b: Tensor
+    out: Tensor
+    bias: Tensor | None = None
+    alpha: float = 1.0
+    beta: float = 1.0
+
+
+Handler = Callable[[tuple, dict, Any], "Gemm | None"]
+
+
+def _mm(args: tuple, kwargs: dict, out: Tensor) -> Gemm:
+    return Gemm("mm", args[0], args[1], out)
+
+
+def _bmm(args: tuple, kwargs: dict, out: Tensor) -> Gemm:
+    return Gemm("bmm", args[0], args[1], out)
+
+
+def _addmm_like(name: str) -> Handler:
+    def handler(args: tuple, kwargs: dict, out: Tensor) -> Gemm:
+        beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
+        alpha = kwargs.get("alpha", args[4] if len(args) > 4 else 1)
+        return Gemm(name, args[1], args[2], out, args[0], float(alpha), float(beta))
+
+    return handler
+
+
+def _linear(args: tuple, kwargs: dict, out: Tensor) -> Gemm | None:
+    x, w = args[0], args[1]
+    bias = kwargs.get("bias", args[2] if len(args) > 2 else None)
+    if w.dim() != 2:
+        return None
+    if x.dim() == 1:
+        return Gemm("linear", x.unsqueeze(0), w.t(), out.unsqueeze(0), bias)
+    return Gemm("linear", x, w.t(), out, bias)
+
+
+def _matmul(args: tuple, kwargs: dict, out: Tensor) -> Gemm | None:
+    x, y = args[0], args[1]
+    if x.dim() == 1 and y.dim() == 1:
+        return None  # a dot product: no GEMM to checksum
+    if x.dim() == 1:
+        return Gemm("matmul", x.unsqueeze(0), y, out.unsqueeze(-2))
+    if y.dim() == 1:
+        return Gemm("matmul", x, y.unsqueeze(-1), out.unsqueeze(-1))
+    return Gemm("matmul", x, y, out)
+
+
+#: aten overload packet -> handler (its ``default`` overload). Adding an op is adding one line.
+GEMM_HANDLERS: dict[Any, Handler] = {
+    aten.mm: _mm,
+    aten.addmm: _addmm_like("addmm"),
+    aten.bmm: _bmm,
+    aten.baddbmm: _addmm_like("baddbmm"),
+    aten.linear: _linear,
+    aten.matmul: _matmul,
+}
+
+
+def _packets(*names: str) -> frozenset[Any]:
+    """The aten packets of ``names`` this torch build has (older builds lack some)."""
+    return frozenset(getattr(aten, name) for name in names if hasattr(aten, name))
+
+
+#: Fused scaled-dot-product attention (forward and backward): the attention verifier's
+#: entry point (``Route.ATTENTION``). ``scaled_dot_product_attention`` itself is composite
+#: (``Route.DECOMPOSE``): it reaches one of these on every backend.
+ATTENTION_OPS: frozenset[Any] = _packets(
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
+    "_efficient_attention_forward", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward",
+    "_scaled_dot_product_fused_attention_overrideable_backward", "_flash_attention_backward",
+    "_efficient_attention_backward",
+)
+
+#: Kernels that multiply matrices inside and that sdc_guard cannot verify: counted.
+#: Convolutions are here, not verified: their GEMM (im2col, Winograd, direct) is the
+#: backend's choice and not visible at the aten level; dot products and matrix-vector
+#: products have no 2-D checksum to compare; the rest have no handler yet.
+UNVERIFIED_GEMM_OPS: frozenset[Any] = _packets(
+    "_addmm_activation", "convolution", "convolution_backward", "_convolution", "mkldnn_convolution",
+    "_slow_conv2d_forward", "_slow_conv2d_backward", "slow_conv3d_forward", "slow_conv_transpose2d",
+    "slow_conv_transpose3d", "_scaled_mm", "_int_mm", "_scaled_grouped_mm", "_grouped_mm",
+    "_weight_int8pack_mm", "_weight_int4pack_mm", "_weight_int4pack_mm_for_cpu", "_mixed_dtypes_linear",
+    "mkldnn_linear", "addmv", "addmv_", "mv", "addbmm", "addbmm_", "dot", "vdot", "addr", "addr_",
+    "_native_multi_head_attention", "_transformer_encoder_layer_fwd", "mkldnn_rnn_layer",
+    "mkldnn_rnn_layer_backward", "_cdist_forward", "_cdist_backward",
+)
+
+#: ``CompositeExplicitAutograd`` kernels built from aten GEMMs that reach the dispatcher
+#: (``_trilinear``, what ``bilinear`` runs: one ``bmm`` per output feature): run with the
+#: mode on (``Route.REDISPATCH``).
+REDISPATCH_OPS: frozenset[Any] = _packets("_trilinear")
+
+
+class Route(enum.Enum):
+    """How a dispatch mode of sdc_guard treats one op (the module doc)."""
+
+    GEMM = "gemm"
+    ATTENTION = "attention"
+    UNVERIFIED = "unverified"
+    REDISPATCH = "redispatch"
+    DECOMPOSE = "decompose"
+    PLAIN = "plain"
+
+
+def route_of(func: Any) -> Route:
+    """The route of aten overload ``func`` (looked up once per overload by the modes)."""
+    packet = func.overloadpacket
+    if packet in GEMM_HANDLERS:
+        # other overloads (``out=``, ``dtype``): their output is not the handler's
+        return Route.GEMM if func is packet.default else Route.UNVERIFIED
+    if packet in ATTENTION_OPS:
+        return Route.ATTENTION
+    if packet in UNVERIFIED_GEMM_OPS:
+        return Route.UNVERIFIED
+    if packet in REDISPATCH_OPS:
+        return Route.REDISPATCH
+    if _is_composite_implicit(func):
+        return Route.DECOMPOSE
+    return Route.PLAIN
+
+
+def _is_composite_implicit(func: Any) -> bool:
+    if DispatchKey.CompositeImplicitAutograd in func.py_kernels:
+        return True
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), DispatchKey.CompositeImplicitAutograd)
+    except RuntimeError:  # an overload only Python knows
+        return False
+
+
+def redispatch_below_python(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Run ``func``'s kernel for its arguments' backend directly, skipping the Python key
+    (whatever mode is on stays on for the ops that kernel calls): the kernel a mode's
+    ``func(*args)`` would have reached, so the result is the same."""
+    keys = None
+    for value in (*args, *kwargs.values()):
+        for t in (value if isinstance(value, (list, tuple)) else (value,)):
+            if isinstance(t, Tensor):
+                own = torch._C._dispatch_keys(t)
+                keys = own if keys is None else keys | own
+    if keys is None:  # no tensor argument: nothing to dispatch on below the mode
+        return func(*args, **kwargs)
+    return func.redispatch(keys & torch._C._dispatch_keyset_full_after(DispatchKey.Python), *args, **kwargs)
+
+
+@contextmanager
+def reentered(mode: TorchDispatchMode) -> Iterator[None]:
+    """Push ``mode`` again while its own ``__torch_dispatch__`` runs (PyTorch pops a mode
+    for its handler), without the subclass's ``__enter__``/``__exit__`` (a drill's starts and
+    stops its site hooks)."""
+    TorchDispatchMode.__enter__(mode)
+    try:
+        yield
+    finally:
+        TorchDispatchMode.__exit__(mode, None, None, None)
+
+
+def _cond_body(mode: TorchDispatchMode, args: tuple, kwargs: dict) -> Any:
+    """``torch.cond``: run the branch taken, with the mode on (its dense kernel refuses to
+    run under a mode; ``FlopCounterMode`` runs the branches itself too). The predicate is
+    read on the host, as the dense kernel does."""
+    pred, true_fn, false_fn, operands = args
+    with reentered(mode):
+        return true_fn(*operands) if pred else false_fn(*operands)
+
+
+def _dense_body(mode: TorchDispatchMode, func: HigherOrderOperator, args: tuple, kwargs: dict) -> Any:
+    """A HOP whose eager (``CompositeExplicitAutograd``) kernel runs its body in Python:
+    run that kernel with the mode on."""
+    kernel = func.py_kernels[DispatchKey.CompositeExplicitAutograd]
+    with reentered(mode):
+        return kernel(*args, **kwargs)
+
+
+#: HOP name -> how its body is run with the mode on. The eager kernels of the others
+#: (``scan``, ``invoke_subgraph``, ...) refuse a mode, or run compiled code: they are run
+#: with the mode off and counted.
+HOP_BODIES: dict[str, Callable[[TorchDispatchMode, HigherOrderOperator, tuple, dict], Any]] = {
+    "cond": lambda mode, func, args, kwargs: _cond_body(mode, args, kwargs),
+    "while_loop": _dense_body,
+    "flex_attention": _dense_body,
+    "flex_attention_backward": _dense_body,
+}
+
+
+class RoutingMode(TorchDispatchMode):
+    """The dispatch mode both the guard's interceptor and the fault injector are: routes
+    every op by :func:`route_of` and every HOP by :data:`HOP_BODIES`, and hands each op it
+    runs itself to :meth:`after` (``Route.GEMM`` and ``Route.ATTENTION`` included).
+
+    ``ops`` counts the ops that paid the mode's Python round trip.
+    """
+
+    supports_higher_order_operators = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        # keyed by the overload's id: OpOverload hashes in Python, and this lookup runs
+        # for every aten op of the model
+        self._routes: dict[int, Route] = {}
+        self.ops = 0
+
+    def after(self, func: Any, route: Route, args: tuple, kwargs: dict, out: Any) -> None:
+        """Called with every op the mode ran (not the decomposed or re-dispatched ones,
+        whose inner ops come one by one)."""
+
+    def on_opaque(self, name: str) -> None:
+        """Called for a HOP run with the mode off (its body unseen)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        self.ops += 1
+        if isinstance(func, HigherOrderOperator):
+            return self._higher_order(func, args, kwargs)
+        key = id(func)
+        route = self._routes.get(key)
+        if route is None:
+            route = self._routes[key] = route_of(func)
+        if route is Route.DECOMPOSE:
+            with reentered(self):
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+            route = self._routes[key] = Route.PLAIN
+        elif route is Route.REDISPATCH:
+            with reentered(self):
+                return redispatch_below_python(func, args, kwargs)
+        out = func(*args, **kwargs)
+        self.after(func, route, args, kwargs, out)
+        return out
+
+    def _higher_order(self, func: HigherOrderOperator, args: tuple, kwargs: dict) -> Any:
+        body = HOP_BODIES.get(func.name())
+        if body is not None:
+            return body(self, func, args, kwargs)
+        self.on_opaque(f"higher_order.{func.name()}")
+        return func(*args, **kwargs)  # the mode is off here: the next mode, or the kernel
