@@ -65,7 +65,7 @@ ONE_CALL_SLACK = 20e-6
 #: Rows whose times' relative interquartile range exceeds this are marked noisy.
 NOISY = 0.25
 
-#: Issue 8's targets for this benchmark.
+#: The targets this benchmark checks (docs/PERFORMANCE.md).
 TARGET_WARM = 0.05  #: mean warm-cache overhead over the whole shape set
 TARGET_COLD = 0.30  #: mean cold overhead over the shapes with M >= 512
 COLD_MIN_M = 512
