@@ -82,7 +82,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sdc_guard.core.abft import AbftCheck, WeightSide, effective_e_max, num_segments
-from sdc_guard.backends import GemmRequest
+from sdc_guard.core.request import GemmRequest
 from sdc_guard.core.batching import batch_strides, collapse_batch, contiguous_strides
 from sdc_guard.kernels.vabft_weight import (
     TRITON_FLOAT_DTYPES,

@@ -26,7 +26,7 @@ from .respond.policy import (
 )
 from .respond.snapshot import SnapshotStore, load_checkpoint, save_checkpoint
 from .core.precision import default_e_max, set_default_e_max
-from .core.verify import Verdict, abft_verify, matmul_checksum, verify_matmul
+from .verify import Verdict, abft_verify, matmul_checksum, verify_matmul
 
 __version__ = "0.1.0"
 
@@ -41,6 +41,7 @@ _FORMER_PATHS = {
     "snapshot": "respond.snapshot",
     "legacy": "core.legacy",
     "toy_gpt": "tools.toy_gpt",
+    "core.verify": "verify",
 }
 
 
@@ -51,7 +52,8 @@ def _alias_former_paths() -> None:
     for old, new in _FORMER_PATHS.items():
         module = importlib.import_module(f"{__name__}.{new}")
         sys.modules[f"{__name__}.{old}"] = module
-        globals()[old] = module
+        parent, _, leaf = f"{__name__}.{old}".rpartition(".")
+        setattr(sys.modules[parent], leaf, module)
 
 
 _alias_former_paths()

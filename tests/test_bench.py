@@ -32,6 +32,7 @@ def bench(tmp_path: Path, *args: str, status: int = 0) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_overhead(tmp_path: Path) -> None:
     # 1 x 1024 x 1024 fp32: cold re-reads B's 1 Mi elements, warm reads 2 Ki of A and C.
     report = bench(tmp_path, "overhead", "--shapes", "1x1024x1024,16x256x300", "--dtypes", "fp32,bf16",
@@ -88,6 +89,7 @@ def test_overhead_default_shape_set() -> None:
     assert moe == [("torch.float32", (512, 4096, 8)), ("torch.float32", (4096, 4096, 8))]
 
 
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_fp_counts_zero_on_clean_products(tmp_path: Path) -> None:
     report = bench(tmp_path, "fp", "--shapes", "8x64x300,16x128x8", "--trials", "3")
     rows = report["rows"]
@@ -118,6 +120,7 @@ def test_fp_exit_status_counts_a_failing_product(monkeypatch: pytest.MonkeyPatch
     assert json.loads(out.read_text())["rows"][0]["failed_segments"] == 2
 
 
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_detect(tmp_path: Path) -> None:
     report = bench(tmp_path, "detect", "--shape", "32x128x300", "--gemms", "1", "--magnitudes", "1e-6,2,100")
     assert [(r["dtype"], r["screen"]) for r in report["results"]] == [
@@ -136,6 +139,7 @@ def test_detect(tmp_path: Path) -> None:
         assert res["summary"]["false_alarms"] == 0
 
 
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_detect_training_reports_what_each_sampler_catches_by_bit_class(tmp_path: Path) -> None:
     report = bench(tmp_path, "detect", "--training", "--trials", "4")
     names = ["Full()", "Budget(0.05)", "Screened()", "Screened(Budget(0.05))"]
@@ -155,6 +159,7 @@ def test_detect_training_reports_what_each_sampler_catches_by_bit_class(tmp_path
     assert everything["Full()"]["harmful_let_through"] == sum(t["harmful"] and not t["caught"]["Full()"] for t in trials)
 
 
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_calibrate_recommends_margin_over_measured_max(tmp_path: Path) -> None:
     report = bench(tmp_path, "calibrate", "--dtypes", "bf16,fp32", "--shapes", "8x64x300", "--trials", "3",
                    "--margin", "3")
@@ -185,6 +190,7 @@ def test_calibrate_recommends_margin_over_measured_max(tmp_path: Path) -> None:
     assert bool(vabft_check(a, b, c, e_max=e * 1.001).ok[1, 0]) and not bool(vabft_check(a, b, c, e_max=e * 0.99).ok[1, 0])
 
 
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_train(tmp_path: Path) -> None:
     report = bench(tmp_path, "train", "--steps", "3", "--warmup", "1", "--d-model", "32", "--layers", "1",
                    "--heads", "2", "--ctx", "16", "--vocab", "32", "--batch", "2", "--every-n", "2",

@@ -282,6 +282,7 @@ def test_collective_hung_rank_is_killed_by_job_timeout(tmp_path):
     assert "timed out" in report.cells[0].note
 
 
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_example_script_reports_summary_line():
     script = ROOT / "examples" / "bi_check.py"
     small = ["--m-totals", "8", "--ks", "256", "--ns", "64", "--n-trials", "2"]

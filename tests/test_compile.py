@@ -170,6 +170,7 @@ def test_compiled_route_is_scoped_to_its_thread():
     assert guard.last_report.verified == 5
 
 
+@pytest.mark.slow  # a whole model through torch.compile (10-30 s): see CONTRIBUTING.md
 def test_transient_fault_on_compiled_gpt_is_recomputed_to_the_clean_run():
     def train(faults):
         torch.manual_seed(0)
@@ -197,6 +198,7 @@ def test_transient_fault_on_compiled_gpt_is_recomputed_to_the_clean_run():
     assert function_mode._local.drills == ()
 
 
+@pytest.mark.slow  # a whole model through torch.compile (10-30 s): see CONTRIBUTING.md
 def test_persistent_backward_fault_on_compiled_gpt_rolls_back():
     torch.manual_seed(0)
     model = TinyGPT()
@@ -215,6 +217,7 @@ def test_persistent_backward_fault_on_compiled_gpt_rolls_back():
         assert torch.equal(p, q)  # back to the known-good state after step 0
 
 
+@pytest.mark.slow  # a whole model through torch.compile (10-30 s): see CONTRIBUTING.md
 def test_inductor_compiled_mlp_is_checked_and_a_fault_caught():
     torch.manual_seed(0)
     model = MLP()
@@ -241,6 +244,7 @@ def test_compiled_argument_is_checked():
     assert sdc_guard.protect(model).compiled
 
 
+@pytest.mark.slow  # a whole model through torch.compile (10-30 s): see CONTRIBUTING.md
 def test_compiled_transformers_gpt2_with_a_fault_drill():
     from hf_models import gpt2
 

@@ -1,8 +1,12 @@
-"""The package layout (issue 20): the former module paths still import, as the same modules."""
+"""The package layout: the former module paths still import, as the same modules; no import
+cycle and no private name across subpackages."""
 
+import ast
 import importlib
 import subprocess
 import sys
+from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -16,13 +20,15 @@ FORMER = {
     "sdc_guard.snapshot": "sdc_guard.respond.snapshot",
     "sdc_guard.legacy": "sdc_guard.core.legacy",
     "sdc_guard.toy_gpt": "sdc_guard.tools.toy_gpt",
+    "sdc_guard.core.verify": "sdc_guard.verify",
 }
 
 
 @pytest.mark.parametrize("old", sorted(FORMER))
 def test_former_module_path_is_the_same_module(old: str) -> None:
     assert importlib.import_module(old) is importlib.import_module(FORMER[old])
-    assert getattr(sdc_guard, old.rpartition(".")[2]) is importlib.import_module(FORMER[old])
+    parent, _, leaf = old.rpartition(".")
+    assert getattr(importlib.import_module(parent), leaf) is importlib.import_module(FORMER[old])
 
 
 def test_public_names() -> None:
@@ -42,9 +48,201 @@ def test_public_names() -> None:
     assert set(sdc_guard.__all__) - {"SDCGuard"} <= set(dir(sdc_guard))
 
 
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_former_path_in_a_fresh_process() -> None:
     """``import sdc_guard.sampling`` as the first import of a process (the parent's
     ``__init__`` registers the former paths before the child is looked up)."""
     code = "import sdc_guard.toy_gpt, sdc_guard.sampling as s; print(s.__name__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "sdc_guard.runtime.sampling"
+
+
+# --- the import graph of the package's sources (sdc_guard/, kernels/, integrations/), read
+# with ast: every import statement, at module level or inside a function, except those under
+# ``if TYPE_CHECKING:`` (annotations only: never executed)
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = {"sdc_guard": ROOT / "sdc_guard", "sdc_guard.kernels": ROOT / "kernels",
+           "sdc_guard.integrations": ROOT / "integrations"}
+#: the subpackages; a module directly under sdc_guard/ (metrics.py, ...) is its own unit
+#: compiled modules (no source here): importing one imports no source module
+EXTENSIONS = {"sdc_guard._vabft_cpu"}
+UNITS = ("core", "backends", "runtime", "respond", "bi", "tools", "kernels", "integrations")
+
+
+def source_modules() -> dict[str, tuple[Path, bool]]:
+    """Dotted name -> (file, is a package's ``__init__``) for every source module."""
+    mods: dict[str, tuple[Path, bool]] = {}
+    for pkg, folder in SOURCES.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if pkg == "sdc_guard" and parts[0] in ("kernels", "integrations"):
+                continue  # a stray copy: the installed ones come from the top-level folders
+            is_pkg = parts[-1] == "__init__"
+            mods[".".join([pkg, *(parts[:-1] if is_pkg else parts)])] = (path, is_pkg)
+    return mods
+
+
+def _executed_imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                yield from _executed_imports(ast.Module(body=[child], type_ignores=[]))
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        yield from _executed_imports(node)
+
+
+def imports_of(name: str, path: Path, is_pkg: bool) -> list[tuple[str, str | None, int]]:
+    """(module imported, name taken from it or ``None``, line) for each import in ``path``;
+    ``from pkg import sub`` of a submodule counts as importing ``pkg.sub``."""
+    out = []
+    for node in _executed_imports(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, None, node.lineno) for alias in node.names]
+            continue
+        target = node.module or ""
+        if node.level:
+            base = name.split(".") if is_pkg else name.split(".")[:-1]
+            base = base[: len(base) - node.level + 1]
+            target = ".".join(base + ([node.module] if node.module else []))
+        out += [(target, alias.name, node.lineno) for alias in node.names]
+    return out
+
+
+def unit(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 and parts[1] in UNITS else module
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    """Module -> {source module it imports: first line}."""
+    mods = source_modules()
+    graph: dict[str, dict[str, int]] = {}
+    for name, (path, is_pkg) in mods.items():
+        edges = graph.setdefault(name, {})
+        for target, taken, line in imports_of(name, path, is_pkg):
+            full = f"{target}.{taken}" if taken else target
+            if full in EXTENSIONS:
+                continue
+            hit = full if full in mods else target if target in mods else None
+            if hit is not None and hit != name:
+                edges.setdefault(hit, line)
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _describe(graph: dict[str, dict[str, int]], comp: list[str]) -> str:
+    return "; ".join(f"{a}:{line} -> {b}" for a in comp for b, line in graph[a].items() if b in comp)
+
+
+def test_cycle_finder_finds_a_function_level_cycle() -> None:
+    """The checks below can fail: a cycle through an import inside a function is found."""
+    assert cycles({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}, "d": {"a": 4}}) == [["a", "b", "c"]]
+    code = "def f():\n    from .b import g\nif TYPE_CHECKING:\n    from .c import h\n"
+    tree = ast.parse(code)
+    assert [node.module for node in _executed_imports(tree)] == ["b"]
+
+
+def test_no_import_cycle_between_modules() -> None:
+    graph = import_graph()
+    assert "sdc_guard.runtime.guard" in graph and "sdc_guard.kernels.vabft_triton" in graph
+    found = cycles(graph)
+    assert not found, "import cycles: " + " | ".join(_describe(graph, comp) for comp in found)
+
+
+def test_no_import_cycle_between_subpackages() -> None:
+    """The layers: core <- kernels <- backends <- runtime <- respond ... (no subpackage
+    imports one that imports it back). The package's ``__init__`` (the public facade, which
+    imports every layer) is left out."""
+    graph: dict[str, dict[str, int]] = {}
+    for a, edges in import_graph().items():
+        for b, line in edges.items():
+            if "sdc_guard" not in (a, b) and unit(a) != unit(b):
+                graph.setdefault(unit(a), {}).setdefault(unit(b), line)
+    found = cycles(graph)
+    assert not found, "subpackage cycles: " + " | ".join(" <-> ".join(comp) for comp in found)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_definitions(tree: ast.AST) -> set[str]:
+    """Private names a module defines: functions, classes, assigned names and attributes."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+    return {name for name in names if _private(name)}
+
+
+def private_uses(tree: ast.AST) -> Iterator[tuple[str, int]]:
+    """``obj._name`` read, and ``obj.__dict__["_name"]`` / ``.__dict__.get("_name")``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and _private(node.attr):
+            yield node.attr, node.lineno
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _private(node.value) \
+                and node.value.isidentifier():
+            yield node.value, node.lineno
+
+
+def test_no_private_name_crosses_a_subpackage() -> None:
+    """What crosses a subpackage's boundary is public and documented: refused are
+    ``from <other subpackage> import _name``, and reading ``x._name`` (or a ``__dict__`` key
+    ``"_name"``) where only another subpackage defines ``_name``. The compiled extension
+    ``sdc_guard._vabft_cpu`` is private to ``backends/native.py``, its one user."""
+    mods = source_modules()
+    trees = {name: ast.parse(path.read_text(), str(path)) for name, (path, _) in mods.items()}
+    defined: dict[str, set[str]] = {}
+    for name, tree in trees.items():
+        defined.setdefault(unit(name), set()).update(private_definitions(tree))
+    bad = []
+    for name, (path, is_pkg) in mods.items():
+        for target, taken, line in imports_of(name, path, is_pkg):
+            full = f"{target}.{taken}" if taken else target
+            if taken and _private(taken) and full not in EXTENSIONS and target.startswith("sdc_guard") \
+                    and unit(target) != unit(name):
+                bad.append(f"{name}:{line} imports {taken} from {target}")
+        own = defined[unit(name)]
+        for attr, line in private_uses(trees[name]):
+            others = [u for u, names in defined.items() if u != unit(name) and attr in names]
+            if attr not in own and others:
+                bad.append(f"{name}:{line} uses {attr}, private to {others[0]}")
+    assert not bad, "private names across subpackages: " + "; ".join(sorted(set(bad)))

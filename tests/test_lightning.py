@@ -43,6 +43,7 @@ def params(module):
     return [p.detach().clone() for p in module.parameters()]
 
 
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_from_sdc_guard_import_is_lazy() -> None:
     code = "import sys, sdc_guard; assert 'lightning' not in sys.modules; sdc_guard.SDCGuard; print('lightning' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -178,8 +178,8 @@ def test_weight_side_matches(dtype: torch.dtype, b_layout: str) -> None:
     for field in ("p1", "p2", "v", "col_norm"):
         torch.testing.assert_close(getattr(got, field), getattr(want, field), rtol=1e-5, atol=0)
     assert torch.equal(got.bad, want.bad)
-    assert len(got._factors) == len(want._factors) == 4
-    for g, w in zip(got._factors, want._factors):
+    assert len(got.factors) == len(want.factors) == 4
+    for g, w in zip(got.factors, want.factors):
         assert g.dtype == w.dtype == torch.float64
         torch.testing.assert_close(g, w, rtol=1e-5, atol=0)
 
@@ -201,7 +201,7 @@ def test_buffer_weight_side_reads_like_the_views_it_stands_for() -> None:
     for field in ("br", "babs", "p1", "p2", "v", "col_norm", "bad", "widths"):
         got, want = getattr(ws, field), getattr(views, field)
         assert got.shape == want.shape and got.stride() == want.stride() and torch.equal(got, want), field
-    assert all(torch.equal(g, w) for g, w in zip(ws._factors, views._factors))
+    assert all(torch.equal(g, w) for g, w in zip(ws.factors, views.factors))
     check = native.native_check(request(a, b, a @ b, weight=ws))  # a fresh Prepared.of(views) agrees
     again = native.native_check(request(a, b, a @ b, weight=views))
     assert torch.equal(check.diff, again.diff) and torch.equal(check.threshold, again.threshold)
@@ -521,6 +521,7 @@ def test_kernels_borrow_torchs_openmp_pool() -> None:
 
 
 @needs_native
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_pthreads_fallback_same_bits(tmp_path: Path) -> None:
     """With SDC_GUARD_NATIVE_OPENMP=0 the kernels split work on their own threads, with
     the same bits as the OpenMP split and as one thread."""

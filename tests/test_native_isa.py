@@ -174,7 +174,7 @@ def results(case_file: str) -> list[dict]:
         ws = native.native_weight_side(b, r, threads=threads, force_threads=force)
         for f in ("br", "babs", "p1", "p2", "v", "col_norm", "bad"):
             got[f"ws.{f}"] = getattr(ws, f)
-        for i, f in enumerate(ws._factors):
+        for i, f in enumerate(ws.factors):
             got[f"ws.factor{i}"] = f
         buf = getattr(ws, "_buf", None)  # a native encoding: the max / min of B's runs too
         if isinstance(buf, torch.Tensor):

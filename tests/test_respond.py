@@ -145,6 +145,7 @@ EXIT_SCRIPT = textwrap.dedent("""
     ("{}", sdc_guard.EXIT_PERSISTENT, "persistent"),  # recompute -> rollback -> persistent again -> exit
     ("{'on_detection': 'exit'}", sdc_guard.EXIT_TRANSIENT, "unconfirmed"),
 ])
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_exit_response_exits_with_the_documented_code(tmp_path: Path, policy: str, code: int,
                                                       classification: str) -> None:
     script = EXIT_SCRIPT.format(here=str(HERE), policy=policy, out=str(tmp_path))
@@ -157,6 +158,7 @@ def test_exit_response_exits_with_the_documented_code(tmp_path: Path, policy: st
     assert report["detections"][0]["site"] == "head"
 
 
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_killed_checkpoint_write_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.pt"
     sdc_guard.save_checkpoint(path, {"step": 1, "w": torch.arange(10.0)})
@@ -253,6 +255,7 @@ def test_distributed_lockstep(tmp_path: Path, world_size: int, scenario: str) ->
                 for o in flagged] == [(3, [world_size - 1], "persistent", "rollback", 2)]
 
 
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_distributed_checkpoints_are_written_by_rank_zero_and_restored_everywhere(tmp_path: Path) -> None:
     import ddp_worker
 

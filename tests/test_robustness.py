@@ -279,6 +279,7 @@ AS_NOBODY = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_an_unwritable_directory_as_a_non_root_user(tmp_path: Path) -> None:
     """As uid 65534: a directory it may not write is an error at construction; one that
     becomes unwritable mid-run warns once, keeps snapshots in memory (a rollback after it
@@ -347,6 +348,7 @@ FULL_DISK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_a_full_disk_is_named_and_degrades_to_memory_with_one_warning(tmp_path: Path) -> None:
     proc = run_python(FULL_DISK, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -386,6 +388,7 @@ EXIT_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("case", ["written", "file", "not_a_path"])
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_the_exit_code_survives_any_failure_of_the_exit_report(tmp_path: Path, case: str) -> None:
     target = tmp_path / "reports"
     proc = run_python(EXIT_SCRIPT, case, target)

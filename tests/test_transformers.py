@@ -35,6 +35,7 @@ def sdc_entries(log_history: list[dict]) -> list[dict]:
     return [e for e in log_history if "sdc/flag" in e]
 
 
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_import_needs_transformers_and_says_how_to_get_it() -> None:
     code = (
         "import sys\n"

@@ -82,6 +82,7 @@ def test_2d_agrees_and_passes(dtype: torch.dtype, m: int) -> None:
     assert got.ok.shape == (m, 2) and bool(got.ok.all())
 
 
+@pytest.mark.slow  # variants under the Triton interpreter (0.3-1.7 s each): CONTRIBUTING.md
 @pytest.mark.parametrize("m", [M_DECODE, M_DOT])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_linear_weight_transposed(dtype: torch.dtype, m: int) -> None:
@@ -91,6 +92,7 @@ def test_linear_weight_transposed(dtype: torch.dtype, m: int) -> None:
     assert bool(got.ok.all())
 
 
+@pytest.mark.slow  # variants under the Triton interpreter (0.3-1.7 s each): CONTRIBUTING.md
 @pytest.mark.parametrize("kind", ["mean_shifted", "row_scaled", "tiny"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_hard_distributions_agree(dtype: torch.dtype, kind: str) -> None:
@@ -120,6 +122,7 @@ def test_batched_broadcast_weight() -> None:
     assert bool(got.ok.all())
 
 
+@pytest.mark.slow  # variants under the Triton interpreter (0.3-1.7 s each): CONTRIBUTING.md
 def test_batched_two_broadcast_dims() -> None:
     """[3, 1, M, K] @ [1, 2, K, N]: two batch strides that cannot merge."""
     a, b = randn(3, 1, M_DECODE, K, seed=11), randn(1, 2, K, N, seed=12)
@@ -127,6 +130,7 @@ def test_batched_two_broadcast_dims() -> None:
     assert got.ok.shape == (3, 2, M_DECODE, 2) and bool(got.ok.all())
 
 
+@pytest.mark.slow  # variants under the Triton interpreter (0.3-1.7 s each): CONTRIBUTING.md
 def test_noncontiguous_operands() -> None:
     """A transposed A, a column-sliced C: everything is read through strides."""
     a = randn(K, M_DOT, seed=13).t()
@@ -137,6 +141,7 @@ def test_noncontiguous_operands() -> None:
     assert bool(got.ok.all())
 
 
+@pytest.mark.slow  # variants under the Triton interpreter (0.3-1.7 s each): CONTRIBUTING.md
 @pytest.mark.parametrize("bias_shape", [(N,), (M_DOT, 1), (M_DOT, N)], ids=str)
 def test_bias_alpha_beta(bias_shape: tuple[int, ...]) -> None:
     a, b = randn(M_DOT, K, seed=15), randn(K, N, seed=16)
@@ -254,6 +259,7 @@ def test_inputs_are_not_written() -> None:
     ],
     ids=["fp32", "bf16_transposed", "fp16_batched", "permuted_batch"],
 )
+@pytest.mark.slow  # variants under the Triton interpreter (0.3-1.7 s each): CONTRIBUTING.md
 @pytest.mark.parametrize("k_chunk", [None, 32], ids=["one_chunk", "split_k"])
 def test_weight_side_matches_reference(make_b, k_chunk) -> None:
     b = make_b()
@@ -278,6 +284,7 @@ def test_weight_side_nonfinite_segment_is_bad() -> None:
     assert torch.equal(ws.bad, weight_side(b).bad)
 
 
+@pytest.mark.slow  # variants under the Triton interpreter (0.3-1.7 s each): CONTRIBUTING.md
 @pytest.mark.parametrize("m", [M_DECODE, M_DOT])
 def test_cached_weight_side(m: int) -> None:
     a, w = randn(m, K, dtype=torch.bfloat16, seed=42), randn(N, K, dtype=torch.bfloat16, seed=43)
@@ -308,6 +315,7 @@ def test_collapse_batch_merges_what_one_stride_serves() -> None:
     assert collapse_batch([2, 3, 4], [[12, 4, 1], [0, 4, 0]]) is None
 
 
+@pytest.mark.slow  # variants under the Triton interpreter (0.3-1.7 s each): CONTRIBUTING.md
 def test_rejects_what_needs_a_copy_and_falls_back() -> None:
     a = randn(2, 3, 4, M_DECODE, K, seed=46)
     b = randn(4, 1, 2, K, N, seed=47).permute(2, 1, 0, 3, 4)  # [2, 1, 4, K, N]
@@ -379,6 +387,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_kernels_compile_for_sm90() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")

@@ -373,6 +373,7 @@ def test_legacy_algorithm_threshold_follows_c() -> None:
     assert bool(sdc_guard.verify_matmul(a, b, c).flags[2].all())
 
 
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_selftest_command() -> None:
     out = subprocess.run([sys.executable, "-m", "sdc_guard", "selftest"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -1,35 +1,17 @@
-"""The backend interface: ``GemmRequest`` (one validated verification call) and ``Backend``
-(what every implementation provides; ``registry`` picks one per call)."""
+"""The backend interface: ``Backend`` (what every implementation provides; ``registry``
+picks one per call). ``GemmRequest`` (one validated verification call) lives in
+``core/request.py``, below the backends and the kernels, which all read it."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..core.abft import AbftCheck, WeightSide, weight_side
-from ..runtime.ledger import clear_summary, summarize
+from ..core.request import GemmRequest
+from ..core.summary import clear_summary, summarize
 
-
-@dataclass(frozen=True)
-class GemmRequest:
-    """One validated verification call: ``c == alpha * a @ b + beta * bias``."""
-
-    a: Tensor
-    b: Tensor
-    c: Tensor
-    e_max: float
-    checksum_weight: Tensor | None = None
-    bias: Tensor | None = None
-    alpha: float = 1.0
-    beta: float = 1.0
-    weight: WeightSide | None = None  #: cached weight-side encoding of ``b``, if any
-    rounding: float = 1.0  #: share of C's worst-case rounding term in T (``precision.SCREENS``)
-
-    @property
-    def device(self) -> torch.device:
-        return self.c.device
+__all__ = ["Backend", "GemmRequest"]
 
 
 class Backend:
@@ -62,7 +44,7 @@ class Backend:
 
     def summarize(self, req: GemmRequest, cached: bool = False) -> tuple[Tensor | None, Tensor | list[float]]:
         """Screen ``req``, confirm its flags and keep what the guard keeps of it
-        (``ledger.summarize``): the confirmed-corruption mask (``None`` when clear) and the
+        (``core.summary.summarize``): the confirmed-corruption mask (``None`` when clear) and the
         summary. ``cached``: ``req.weight`` came from the weight cache. A clear check known
         on the host (``clear_worst``) skips building its ``AbftCheck``."""
         worst = self.clear_worst(req)

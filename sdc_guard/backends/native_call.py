@@ -130,8 +130,8 @@ def weight_side_of(shape: tuple[int, ...], buf: Tensor) -> WeightSide:
     widths = segment_constants(n, buf.device)[0]
     ws = WeightSide(br.mT, babs.mT, p1, p2, v, col_norm, bad, widths, k, n)
     # the factors of the threshold's bracket, computed by the kernel exactly as
-    # WeightSide._factors computes them (a cached_property: its slot is the instance dict)
-    ws.__dict__["_factors"] = tuple(agg[4:].unsqueeze(-2).unbind(0))
+    # WeightSide.factors computes them
+    ws.set_factors(tuple(agg[4:].unsqueeze(-2).unbind(0)))
     return ws
 
 
@@ -164,7 +164,7 @@ class Prepared:
             babs = babs.mT.contiguous().mT
             if babs.stride() != br.stride():
                 br, babs = br.mT.contiguous().mT, babs.mT.contiguous().mT
-        factors = [f.double().contiguous() for f in torch.broadcast_tensors(*ws._factors)]
+        factors = [f.double().contiguous() for f in torch.broadcast_tensors(*ws.factors)]
         return cls._make((br, babs, factors), br.data_ptr(), babs.data_ptr(), tuple(br.shape), tuple(br.stride()),
                          tuple(f.data_ptr() for f in factors), tuple(factors[0].shape), tuple(factors[0].stride()))
 
@@ -191,9 +191,10 @@ class Prepared:
 
 
 def prepared(ws: WeightSide) -> Prepared:
-    prep = ws.__dict__.get("_native")
+    attached = ws.attached
+    prep = attached.get("native")
     if prep is None:
-        prep = ws.__dict__["_native"] = Prepared.of(ws)
+        prep = attached["native"] = Prepared.of(ws)
     return prep
 
 
@@ -216,7 +217,8 @@ class BufferWeightSide(WeightSide):
         shape, k, n = tuple(b.shape), b.shape[-2], b.shape[-1]
         object.__setattr__(self, "k", k)
         object.__setattr__(self, "n", n)
-        self.__dict__.update(_buf=buf, _shape=shape, _native=Prepared.of_buffer(buf, shape[:-2], k, n))
+        self.__dict__.update(_buf=buf, _shape=shape)  # this class's own lazily built state
+        self.attached["native"] = Prepared.of_buffer(buf, shape[:-2], k, n)
 
     @cached_property
     def _views(self) -> WeightSide:
@@ -226,8 +228,8 @@ class BufferWeightSide(WeightSide):
                                                                             "col_norm", "bad", "widths"))
 
     @cached_property
-    def _factors(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        return self._views._factors
+    def factors(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return self._views.factors
 
     @property
     def nbytes(self) -> int:

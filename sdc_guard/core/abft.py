@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -100,10 +101,11 @@ class WeightSide:
                                                            self.col_norm, self.bad))
 
     @cached_property
-    def _factors(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def factors(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Per-segment factors of the threshold's bracket, fp64 ``[..., 1, nseg]`` (see
         ``_bracket``): computed once per encoding, so that a cached weight costs a call
-        none of this."""
+        none of this (a backend that computes them with the encoding supplies them with
+        ``set_factors``)."""
         n_s = self.widths
         if n_s.dim() == 1 and n_s.shape[0] == num_segments(self.n):
             _, c_sqrt_n, c_n, sqrt_n = segment_constants(self.n, n_s.device)
@@ -118,6 +120,18 @@ class WeightSide:
         f_cross_sd = c_n * torch.sqrt(self.p2)
         f_spread = sqrt_n * sqrt_v
         return tuple(f.unsqueeze(-2) for f in (f_mean, f_cross_mu, f_cross_sd, f_spread))  # type: ignore[return-value]
+
+    def set_factors(self, factors: tuple[Tensor, Tensor, Tensor, Tensor]) -> None:
+        """Supply ``factors`` computed elsewhere, exactly as ``factors`` computes them (the
+        native kernel computes them in the encoding's pass): they are then not computed."""
+        self.__dict__["factors"] = tuple(factors)  # the cached_property's slot
+
+    @cached_property
+    def attached(self) -> dict[str, Any]:
+        """Data a backend derives from this encoding once and keeps with it (the native
+        backend's pointers and layouts, under ``"native"``): dropped with the encoding,
+        not part of its value."""
+        return {}
 
     @cached_property
     def _floors(self) -> dict[torch.dtype, Tensor]:
@@ -243,11 +257,11 @@ def _bracket(mu: Tensor, sd: Tensor, ws: WeightSide) -> Tensor:
 
     ``n_s |muA| P1 + c sqrt(n_s) hypot(|muA| sqrt(V), sqrt(n_s) sdA sqrt(P2)) + sqrt(n_s) sdA sqrt(V)``
 
-    with the segment factors folded in ahead (``WeightSide._factors``). In fp64 every
+    with the segment factors folded in ahead (``WeightSide.factors``). In fp64 every
     product of an A statistic and a B factor is exact to rounding and inside the range,
     for any finite fp32 operands: no scale of the inputs underflows or overflows it.
     """
-    f_mean, f_cross_mu, f_cross_sd, f_spread = ws._factors
+    f_mean, f_cross_mu, f_cross_sd, f_spread = ws.factors
     mu_abs = mu.double().abs()
     out = mu_abs * f_mean
     out += torch.hypot(mu_abs * f_cross_mu, sd * f_cross_sd)

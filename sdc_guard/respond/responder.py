@@ -82,7 +82,7 @@ class Responder:
                 self._step_fn()
         finally:  # raise and exit are responses too: record them
             self.guard.outcomes.append(outcome)
-            self.guard._publish("observe_outcome", outcome)
+            self.guard.publish("observe_outcome", outcome)
         self.guard.refresh_weights()  # encode the updated weights now, while known fresh
         started = time.perf_counter()
         if outcome.stepped or outcome.action == "skip":

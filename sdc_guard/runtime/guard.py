@@ -228,7 +228,7 @@ class Guard:
             report.gradient_total_ratio = screened.total_ratio
             report.nonfinite_grads = screened.nonfinite
         self.reports.append(report)
-        self._publish("observe_report", report)
+        self.publish("observe_report", report)
         if report.attempt == 0:
             self.sampler.end_step(self._ledger.costs(report))
         set_current_step(self.model, report.step + 1)
@@ -517,9 +517,11 @@ class Guard:
         finally:
             self._ledger.hook_seconds += time.perf_counter() - started
 
-    def _publish(self, method: str, item: Any) -> None:
-        """Hand a report or outcome to the metrics sink; a failure there warns once per
-        sink in total, across the per-step ``protect()`` blocks that share it."""
+    def publish(self, method: str, item: Any) -> None:
+        """Hand a report or outcome to the metrics sink (``method``: ``"observe_report"``
+        or ``"observe_outcome"``); a failure there warns once per sink in total, across
+        the per-step ``protect()`` blocks that share it. Public because the responder
+        (``respond/policy.py``) publishes the step's outcome."""
         if self.metrics is None:
             return
         try:

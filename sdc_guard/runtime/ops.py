@@ -6,8 +6,9 @@ Every op is given one :class:`Route`, once per overload:
 - ``GEMM``: a handler in :data:`GEMM_HANDLERS` turns the call into one :class:`Gemm`
   (``out = beta * bias + alpha * (a @ b)``); the guard verifies it.
 - ``ATTENTION``: a fused scaled-dot-product-attention kernel (:data:`ATTENTION_OPS`): its two
-  GEMMs (``Q K^T``, ``P V``) happen inside one kernel. Counted as unverified today; this
-  route is the one place an attention verifier plugs in.
+  GEMMs (``Q K^T``, ``P V``) happen inside one kernel. Handed to the attention verifier
+  (``runtime/attention.py``, docs/ATTENTION.md) where a handler knows the kernel's schema;
+  counted as unverified otherwise.
 - ``UNVERIFIED``: a kernel that multiplies matrices inside but has no handler
   (:data:`UNVERIFIED_GEMM_OPS`: convolutions, dot products, quantized and grouped GEMMs,
   fused RNN and transformer layers): run and counted in ``StepReport.unverified_ops``.

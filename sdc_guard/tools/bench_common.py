@@ -377,3 +377,21 @@ class Outcome:
 
     status: int
     payload: dict[str, Any] = field(default_factory=dict)
+
+
+#: (first exponent bit, sign bit) per dtype; mantissa bits lie below the exponent.
+BIT_LAYOUT = {torch.float32: (23, 31), torch.float16: (10, 15), torch.bfloat16: (7, 15)}
+
+
+def bit_field(dtype: torch.dtype, bit: int) -> str:
+    """``sign``, ``exponent`` (``exponent (top)`` for the highest) or ``mantissa``.
+
+    >>> bit_field(torch.float32, 30), bit_field(torch.bfloat16, 3)
+    ('exponent (top)', 'mantissa')
+    """
+    first_exp, sign = BIT_LAYOUT[dtype]
+    if bit == sign:
+        return "sign"
+    if bit == sign - 1:
+        return "exponent (top)"
+    return "exponent" if bit >= first_exp else "mantissa"

@@ -37,15 +37,13 @@ from .. import backends
 from ..core.abft import weight_side
 from ..backends import GemmRequest
 from .bench_common import (
-    DISTRIBUTIONS, FP16_NOTE, SHORT_NAME, Outcome, Progress, argtype, generator, machine, operands,
+    DISTRIBUTIONS, FP16_NOTE, SHORT_NAME, Outcome, Progress, argtype, bit_field, generator, machine, operands,
     parse_dtypes, parse_names, parse_shape, pct, product, resolve_device, table,
 )
 from ..core.confirm import confirm
 from ..core.precision import SCREENS, SEGMENT, resolve_screen
 
 _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-#: (first exponent bit, sign bit) per dtype; mantissa bits lie below the exponent.
-_LAYOUT = {torch.float32: (23, 31), torch.float16: (10, 15), torch.bfloat16: (7, 15)}
 DIRECTIONS = {"on": "0->1", "off": "1->0"}
 MAGNITUDES = (1e-4, 1e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 2.0, 4.0, 10.0, 100.0)
 
@@ -66,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--screens", default="default,tight",
                         type=argtype(lambda t: parse_names(t, SCREENS, "screens")), help="comma list of screens to measure: " + ", ".join(SCREENS) + " (default both)")
     parser.add_argument("--backend", default=None, help="verification backend (default: the dispatcher's choice)")
-    from . import bench_detect_training  # it uses bit_field from here: imported late
+    from . import bench_detect_training  # imports torch.nn models: only when asked for
 
     bench_detect_training.add_arguments(parser)
 
@@ -79,20 +77,6 @@ def _floats(text: str) -> list[float]:
     if not values or any(not (v > 0 and math.isfinite(v)) for v in values):
         raise ValueError(f"magnitudes: expected positive finite numbers, got {text!r}")
     return values
-
-
-def bit_field(dtype: torch.dtype, bit: int) -> str:
-    """``sign``, ``exponent`` (``exponent (top)`` for the highest) or ``mantissa``.
-
-    >>> bit_field(torch.float32, 30), bit_field(torch.bfloat16, 3)
-    ('exponent (top)', 'mantissa')
-    """
-    first_exp, sign = _LAYOUT[dtype]
-    if bit == sign:
-        return "sign"
-    if bit == sign - 1:
-        return "exponent (top)"
-    return "exponent" if bit >= first_exp else "mantissa"
 
 
 def _pick(candidates: Tensor, gen: torch.Generator) -> tuple[Tensor, Tensor]:

@@ -32,8 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .bench_common import Outcome, Progress, machine, pct, resolve_device, table
-from .bench_detect import bit_field
+from .bench_common import Outcome, Progress, bit_field, machine, pct, resolve_device, table
 from ..runtime.guard import Guard, protect
 from ..runtime.schedule import set_current_step
 from ..runtime.inject import GemmFault, drill

@@ -44,7 +44,7 @@ from .bench_common import (
     resolve_device, shape_label, spread, table, time_columns,
 )
 from ..core.legacy import legacy_check
-from ..core.verify import matmul_checksum, verify_matmul
+from ..verify import matmul_checksum, verify_matmul
 from ..core.precision import resolve_e_max
 from . import bench_attention
 
@@ -66,7 +66,7 @@ ONE_CALL_SLACK = 20e-6
 #: Rows whose times' relative interquartile range exceeds this are marked noisy.
 NOISY = 0.25
 
-#: Issue 8's targets for this benchmark.
+#: The targets this benchmark checks (docs/PERFORMANCE.md).
 TARGET_WARM = 0.05  #: mean warm-cache overhead over the whole shape set
 TARGET_COLD = 0.30  #: mean cold overhead over the shapes with M >= 512
 COLD_MIN_M = 512

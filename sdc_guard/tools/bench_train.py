@@ -55,11 +55,11 @@ from .toy_gpt import GPT, GPTConfig
 #: The configuration that runs forward and backward under ``EmptyMode``.
 EMPTY_MODE = "empty dispatch mode"
 
-#: Issue 8's targets for this benchmark.
+#: The targets this benchmark checks (docs/PERFORMANCE.md).
 TARGET_FULL = 0.20
 TARGET_BUDGET = 0.07
 TARGET_WINDOW = 20
-#: Issue 26's target: the gradient screen's steady state, clean.
+#: The gradient screen's target: its steady state, clean.
 TARGET_SCREENED = 0.01
 SCREENED = "Screened()"
 

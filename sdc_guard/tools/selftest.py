@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import backends
-from ..core.verify import verify_matmul
+from ..verify import verify_matmul
 
 
 @dataclass

@@ -6,6 +6,9 @@ registered as a ``torch.library`` custom op so FakeTensor / meta tensors get its
 corruption, a legitimate overflow or unverifiable, and may synchronise with the host to
 do so (the dispatch mode uses the device-only ``AbftCheck`` instead).
 
+It sits above ``backends/`` (which it dispatches to), not in ``core/`` (which the
+backends build on); ``sdc_guard.core.verify`` is its former path.
+
 Operands are validated here, once, with errors that name the argument, what was expected
 and what was received; the backends trust what they are given.
 """
@@ -17,13 +20,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import backends
-from .abft import AbftCheck
-from .comp_row import encode_comp_row
-from .confirm import candidates, confirm
-from .segments import num_segments
-from ..backends import GemmRequest
-from .precision import check_dtype, resolve_screen
+from . import backends
+from .backends import GemmRequest
+from .core.abft import AbftCheck
+from .core.comp_row import encode_comp_row
+from .core.confirm import candidates, confirm
+from .core.precision import check_dtype, resolve_screen
+from .core.segments import num_segments
 
 KINDS = ("ok", "sdc", "overflow", "unverifiable")
 _CPU = torch.device("cpu")

@@ -1,0 +1,34 @@
+"""``GemmRequest``: one validated verification call, what every backend and kernel reads.
+
+It lives in ``core/`` (below ``backends/`` and ``kernels/``) so that the Triton kernel
+module and the backends share it without importing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .abft import WeightSide
+
+
+@dataclass(frozen=True)
+class GemmRequest:
+    """One validated verification call: ``c == alpha * a @ b + beta * bias``."""
+
+    a: Tensor
+    b: Tensor
+    c: Tensor
+    e_max: float
+    checksum_weight: Tensor | None = None
+    bias: Tensor | None = None
+    alpha: float = 1.0
+    beta: float = 1.0
+    weight: WeightSide | None = None  #: cached weight-side encoding of ``b``, if any
+    rounding: float = 1.0  #: share of C's worst-case rounding term in T (``precision.SCREENS``)
+
+    @property
+    def device(self) -> torch.device:
+        return self.c.device
