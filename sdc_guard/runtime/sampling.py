@@ -27,113 +27,17 @@ model (5-10 % of a CPU step for a mode that does nothing). Each sampler's promis
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-SiteKey = tuple[str, str, str]  #: (module path, phase, op)
-
-
-@dataclass
-class StepCosts:
-    """What a step cost, as the guard measured it: the sampler's feedback."""
-
-    step: int
-    step_seconds: float  #: wall time of the step, verification included
-    verify_seconds: float
-    site_seconds: dict[SiteKey, float] = field(default_factory=dict)  #: verification time per site
-    site_calls: dict[SiteKey, int] = field(default_factory=dict)  #: verified calls per site
-    #: everything the guard added (interception, bookkeeping, verification; StepReport.guard_seconds)
-    guard_seconds: float = 0.0
-
-
-class Sampler(Protocol):
-    """The interface ``Guard`` drives. ``state_dict`` makes a resumed run continue.
-
-    ``watches_step`` is optional (a sampler without it watches every step): called after
-    ``begin_step``, ``False`` promises that ``should_verify`` would refuse every GEMM of
-    the step, so the guard need not intercept it.
-    """
-
-    def begin_step(self, step: int) -> None: ...
-    def should_verify(self, site: SiteKey) -> bool: ...
-    def end_step(self, costs: StepCosts) -> None: ...
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-SAMPLER_METHODS = ("begin_step", "should_verify", "end_step")
-STATEFUL_METHODS = ("state_dict", "load_state_dict")
-
-
-def check_sampler(sampler: Any, name: str = "sampler", *, stateful: bool = False) -> Sampler:
-    """Return ``sampler``, or raise ``TypeError`` naming ``name`` unless it is a sampler
-    object: one with ``begin_step``, ``should_verify`` and ``end_step`` (``stateful``:
-    also ``state_dict`` and ``load_state_dict``, which checkpoints need).
-
-    >>> check_sampler("Full")
-    Traceback (most recent call last):
-    ...
-    TypeError: sampler: expected a sampler object (with begin_step, should_verify, end_step) such as Full() or Budget(0.05), got str 'Full'
-    """
-    methods = SAMPLER_METHODS + (STATEFUL_METHODS if stateful else ())
-    if isinstance(sampler, type):
-        got = f"the class {sampler.__name__} (pass an instance: {sampler.__name__}(...))"
-    elif not all(callable(getattr(sampler, m, None)) for m in methods):
-        missing = [m for m in methods if not callable(getattr(sampler, m, None))]
-        got = f"{type(sampler).__name__} {sampler!r}"
-        if len(missing) < len(methods):
-            got += f", which has no {', '.join(missing)}"
-    else:
-        return sampler
-    raise TypeError(f"{name}: expected a sampler object (with {', '.join(methods)}) such as Full() or "
-                    f"Budget(0.05), got {got}")
-
-
-def _check_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _check_weight(name: str, value: object) -> float:
-    """A moving average's weight: a real number in (0, 1]."""
-    what = "a number in (0, 1] (the moving average's weight of the newest value)"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: expected {what}, got {type(value).__name__} {value!r}")
-    if not 0 < value <= 1:
-        raise ValueError(f"{name}: expected {what}, got {value!r}")
-    return float(value)
-
-
-def sampler_watches(sampler: Sampler) -> bool:
-    """``sampler.watches_step()``; a sampler without that method watches every step."""
-    watches = getattr(sampler, "watches_step", None)
-    return True if watches is None else bool(watches())
-
-
-class Stateless:
-    """Base for samplers whose only state is the step they are on."""
-
-    step = 0
-
-    def begin_step(self, step: int) -> None:
-        self.step = step
-
-    def watches_step(self) -> bool:
-        return True
-
-    def end_step(self, costs: StepCosts) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
-
+from .budget import Budget  # noqa: F401  (a sampler of this module's family)
+from .sampler_base import (  # noqa: F401  (the samplers' contract, importable here as before)
+    SAMPLER_METHODS, STATEFUL_METHODS, Sampler, SiteKey, Stateless, StepCosts, check_sampler, sampler_watches,
+    _check_int, _check_positive_int, _check_weight,
+)
 
 class Full(Stateless):
     """Verify every GEMM.
@@ -179,12 +83,6 @@ class Rate(Stateless):
 
     def __repr__(self) -> str:
         return f"Rate({self.p}, seed={self.seed})"
-
-
-def _check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return value
 
 
 class EveryN(Stateless):
@@ -248,180 +146,6 @@ class Rotating:
 
     def __repr__(self) -> str:
         return f"Rotating({self.k})"
-
-
-class Budget:
-    """Keep what the guard adds to a step at or under ``max_overhead`` of the unguarded step.
-
-    What the guard adds is interception (a dispatch mode seeing every op of a watched
-    step) as well as verification, and on a small model interception alone can exceed a
-    5 % budget. So the budget is spent in *sweeps*: a token bucket earns, every step,
-    ``max_overhead`` times the moving average of the step time of unwatched steps; once
-    the credit covers verifying every known site (at their measured costs), the next step
-    is watched and verifies them all, and is charged what it really cost over an unwatched
-    step (interception included, never less than its verification time). Unwatched steps
-    run no mode; the one after a sweep carries the guard's re-encoding of the updated
-    weights (its ``guard_seconds``), which is charged and kept out of the base. With a full sweep costing ``F`` of a step, every site is verified about
-    every ``F / max_overhead`` steps, and the long-run overhead is the budget.
-
-    Costs are robust to a noisy machine: each site's *relative* cost is the minimum of its
-    measurements during the ``warmup`` steps (which verify everything and are not
-    charged; first calls pay one-off costs), and one global factor, a moving average of
-    measured over predicted time across all verified sites, scales them. A timing spike
-    therefore moves the whole plan for a few steps instead of pricing one site out of the
-    schedule. A site first met after warm-up is verified at once and charged.
-
-    ``window`` (optional) turns the coverage into a promise: a sweep is also taken
-    whenever a known site would otherwise go ``window`` consecutive steps unverified, so
-    every site is verified at least once in every ``window`` steps, credit or not. The
-    budget is then a soft cap: where a sweep costs more than ``window * max_overhead`` of
-    a step (a slow backend, a tiny model), the overhead is a sweep every ``window`` steps.
-
-    >>> b = Budget(0.05, window=20); b.begin_step(0); b.watches_step(), b.should_verify(("a", "forward", "mm"))
-    (True, True)
-    """
-
-    def __init__(self, max_overhead: float, *, window: int | None = None, smoothing: float = 0.3,
-                 warmup: int = 2) -> None:
-        if isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float)) or \
-                not 0 < max_overhead < float("inf"):
-            raise ValueError(f"max_overhead: expected a positive fraction (0.05 = 5 %), got {max_overhead!r}")
-        self.window = None if window is None else _check_positive_int("window", window)
-        smoothing = _check_weight("smoothing", smoothing)
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
-            raise ValueError(f"warmup: expected a positive int, got {warmup!r}")
-        self.max_overhead = float(max_overhead)
-        self.smoothing = smoothing
-        self.warmup = warmup
-        self.step = 0
-        self._steps_done = 0
-        self._cost: dict[SiteKey, float] = {}  #: relative cost (seconds at scale 1)
-        self._scale = 1.0
-        self._last: dict[SiteKey, int] = {}
-        self._base_seconds: float | None = None  #: moving average of an unguarded step
-        self._base_measured = False  #: whether an unwatched step has measured it yet
-        self._credit = 0.0
-        self._sweep = False
-        self._charged_total = 0.0
-        self._base_total = 0.0
-        self._completed = -1
-
-    @property
-    def warming_up(self) -> bool:
-        """True during the first ``warmup`` steps, which verify everything."""
-        return self._steps_done < self.warmup
-
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
-
-    @property
-    def _sweep_cost(self) -> float:
-        """Predicted verification seconds of a sweep over every known site."""
-        return self._scale * sum(self._cost.values())
-
-    def begin_step(self, step: int) -> None:
-        self.step = step
-        if self.warming_up:
-            self._sweep = True
-            return
-        assert self._base_seconds is not None
-        earned = self.max_overhead * self._base_seconds
-        self._credit = min(self._credit + earned, max(self._sweep_cost, earned))
-        self._sweep = self._credit >= self._sweep_cost or self._window_due(step)
-
-    def _window_due(self, step: int) -> bool:
-        """Whether some known site was last verified ``window`` steps ago (or longer)."""
-        return self.window is not None and bool(self._last) and step - min(self._last.values()) >= self.window
-
-    def watches_step(self) -> bool:
-        return self._sweep
-
-    def should_verify(self, site: SiteKey) -> bool:
-        return self._sweep or site not in self._cost
-
-    def end_step(self, costs: StepCosts) -> None:
-        watched = self._sweep
-        warm = self.warming_up
-        self._steps_done += 1
-        self._completed = costs.step
-        self._learn_costs(costs.site_seconds, warm)
-        for site in costs.site_seconds:
-            self._last[site] = costs.step
-        added = max(costs.verify_seconds, costs.guard_seconds)  # what the guard's own account says it added
-        if warm:
-            # no unwatched step yet: the step less what the guard added stands in for the base
-            self._base_seconds = self._ema(self._base_seconds, max(costs.step_seconds - added, 1e-9))
-            return
-        assert self._base_seconds is not None
-        if not watched:
-            # an unwatched step runs no mode and verifies nothing, but may carry the guard's
-            # work after the sweep before it (re-encoding the updated weights): that is
-            # charged, and kept out of the base
-            seconds = max(costs.step_seconds - costs.guard_seconds, 1e-9)
-            self._base_seconds = self._ema(self._base_seconds if self._base_measured else None, seconds)
-            self._base_measured = True
-        else:
-            # a watched step less what the guard added bounds the unguarded step from above: a
-            # base learned in a slow spell comes down even if every step is watched
-            self._base_seconds = min(self._base_seconds, max(costs.step_seconds - added, 1e-9))
-        charge = max(costs.step_seconds - self._base_seconds, added) if watched else costs.guard_seconds
-        self._credit -= charge
-        self._charged_total += charge
-        self._base_total += self._base_seconds
-
-    def _learn_costs(self, measured: dict[SiteKey, float], warm: bool) -> None:
-        if warm:
-            for site, seconds in measured.items():
-                self._cost[site] = min(seconds, self._cost.get(site, seconds))
-            return
-        known = [s for s in measured if s in self._cost]
-        predicted = sum(self._cost[s] for s in known)
-        if predicted > 0:
-            self._scale = self._ema(self._scale, sum(measured[s] for s in known) / predicted)
-        for site in measured:
-            if site not in self._cost:
-                self._cost[site] = measured[site] / self._scale
-
-    @property
-    def achieved_overhead(self) -> float:
-        """Everything charged (interception and verification of watched steps) over the
-        unguarded step time of the same steps, after warm-up."""
-        return self._charged_total / self._base_total if self._base_total else 0.0
-
-    def coverage(self, window: int) -> float:
-        """Share of known sites verified within the last ``window`` completed steps."""
-        if not self._cost:
-            return 0.0
-        recent = sum(1 for s in self._cost if self._completed - self._last.get(s, -(10**9)) < window)
-        return recent / len(self._cost)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "step": self.step, "steps_done": self._steps_done, "scale": self._scale,
-            "base_seconds": self._base_seconds, "base_measured": self._base_measured,
-            "credit": self._credit,
-            "cost": [[list(s), c] for s, c in self._cost.items()],
-            "last": [[list(s), i] for s, i in self._last.items()],
-            "charged_total": self._charged_total, "base_total": self._base_total,
-            "completed": self._completed,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
-        self._steps_done = int(state["steps_done"])
-        self._scale = float(state["scale"])
-        self._base_seconds = state["base_seconds"]
-        self._base_measured = bool(state.get("base_measured", False))
-        self._credit = float(state["credit"])
-        self._cost = {tuple(s): float(c) for s, c in state["cost"]}
-        self._last = {tuple(s): int(i) for s, i in state["last"]}
-        self._charged_total = float(state.get("charged_total", state.get("verify_total", 0.0)))
-        self._base_total = float(state["base_total"])
-        self._completed = int(state["completed"])
-
-    def __repr__(self) -> str:
-        return f"Budget({self.max_overhead:g})" if self.window is None else \
-            f"Budget({self.max_overhead:g}, window={self.window})"
 
 
 @dataclass
