@@ -1,6 +1,6 @@
 """Issue 21 s.2 measurement (not a test): higher-order ops under protect(), drill, an empty mode.
 Run one scenario per fresh process (dynamo caches skip decisions):
-  for ctx in empty protect drill; do for sc in cond+ cond- condfirst+ condfirst- flex flexsm flexfirst; do
+  for ctx in empty passthrough protect drill; do for sc in cond+ cond- condfirst+ condfirst- flex flexsm flexfirst; do
     OMP_NUM_THREADS=1 python docs/measure/hops.py $sc $ctx [--ignore-compile-internals] [--opaque-cond-under-grad]; done; done
 """
 import sys, traceback, os, warnings
@@ -29,6 +29,13 @@ class Branchy(nn.Module):
 class Empty(TorchDispatchMode):
     def __torch_dispatch__(s,f,t,a=(),k=None): return f(*a,**(k or {}))
 
+class PassThrough(TorchDispatchMode):
+    """Control: HOPs passed on, invisible to dynamo, no module hooks."""
+    supports_higher_order_operators = True
+    @classmethod
+    def ignore_compile_internals(cls): return True
+    def __torch_dispatch__(s,f,t,a=(),k=None): return f(*a,**(k or {}))
+
 def run(name, fn):
     try:
         r = fn(); print(name, "OK", r)
@@ -37,7 +44,7 @@ def run(name, fn):
         os.environ.get("TB") and traceback.print_exc()
 
 def cond_grad(ctx_factory, sign=1.0):
-    torch.manual_seed(0); m=Branchy(); x=sign*torch.ones(4,8,requires_grad=True)
+    torch.manual_seed(0); m=Branchy(); x=(sign*torch.ones(4,8)).requires_grad_()
     ref=m(x); ref.sum().backward(); g_ref=[p.grad.clone() if p.grad is not None else None for p in m.parameters()]
     m.zero_grad(set_to_none=True)
     with ctx_factory(m):
@@ -73,10 +80,11 @@ cf = {"empty": lambda m: Empty(), "protect": lambda m: sdc_guard.protect(m),
       "drill": lambda m: drill(m, GemmFault(op="nothing_matches"))}[ctx] if False else None
 def mk(m):
     if ctx=="empty": return Empty()
+    if ctx=="passthrough": return PassThrough()
     if ctx=="protect": return sdc_guard.protect(m)
     if ctx=="drill": return drill(m, GemmFault(step=10**6))
 def cond_guard_first(sign):
-    torch.manual_seed(0); m=Branchy(); x=sign*torch.ones(4,8,requires_grad=True)
+    torch.manual_seed(0); m=Branchy(); x=(sign*torch.ones(4,8)).requires_grad_()
     with mk(m):
         out=m(x); out.sum().backward()
     g=[None if p.grad is None else p.grad.clone() for p in m.parameters()]
