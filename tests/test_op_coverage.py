@@ -31,8 +31,8 @@ class FlexBlock(nn.Module):
 
 
 @pytest.mark.xfail(reason="torch 2.13 eager flex_attention compiles its HOP wrapper with fullgraph=True, "
-                   "which dynamo refuses under a non-infra dispatch mode (issue 21 section 1 decides the "
-                   "mode's compile status)", raises=RuntimeError, strict=False)
+                   "which dynamo refuses under a non-infra dispatch mode: an open bug, see docs/LIMITS.md "
+                   "(higher-order ops)", raises=RuntimeError, strict=False)
 @pytest.mark.parametrize("ctx", [torch.no_grad, torch.inference_mode])
 def test_flex_attention_body_verified(ctx):
     # CPU flex attention has no backward in torch (guard or not): the block runs forward
