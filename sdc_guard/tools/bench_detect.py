@@ -20,7 +20,8 @@ the clean products beside it: the share of segments it suspected that the confir
 cleared.
 
 ``--training`` measures samplers instead of the check: faults in a training run
-(``sdc_guard.tools.bench_detect_training``).
+(``sdc_guard.tools.bench_detect_training``); ``--attention`` the fused-attention check
+(``sdc_guard.tools.bench_detect_attention``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from torch import Tensor
 from .. import backends
 from ..core.abft import weight_side
 from ..backends import GemmRequest
+from . import bench_detect_attention
 from .bench_common import (
     DIRECTIONS, DISTRIBUTIONS, FP16_NOTE, SHORT_NAME, Outcome, Progress, argtype, bit_field, bit_set, flip_rows,
     generator, machine, operands, parse_dtypes, parse_names, parse_shape, pct, pick_per_row, product, resolve_device,
@@ -66,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from . import bench_detect_training  # imports torch.nn models: only when asked for
 
     bench_detect_training.add_arguments(parser)
+    bench_detect_attention.add_arguments(parser)
 
 
 def _floats(text: str) -> list[float]:
@@ -234,6 +237,10 @@ def _rate(item: dict[str, Any] | None) -> str:
 
 
 def run(args: argparse.Namespace) -> Outcome:
+    if getattr(args, "training", False) and getattr(args, "attention", False):
+        raise ValueError("--training and --attention: expected one of them, got both")
+    if getattr(args, "attention", False):
+        return bench_detect_attention.run(args)
     if getattr(args, "training", False):
         from . import bench_detect_training
 
