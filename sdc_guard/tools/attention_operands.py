@@ -11,8 +11,9 @@ to ``SDPBackend.FLASH_ATTENTION``) run forward and backward:
 - ``peaked``: causal attention with ``Q`` and ``K`` of trained-model norms (entries of
   standard deviation 2, each row's norm times ``2^u``, ``u ~ U(-1, 1)``: logits of standard
   deviation about 5 at ``scale = 1/sqrt(D)``), so most rows put most of their weight on one
-  key (at L = 128 the median row's largest weight is 0.77); ``V`` with outlier channels
-  (``2^u``, ``u ~ U(-2, 2)`` per channel) and ``dO`` rows of spread norms;
+  key (at L = 128, past the first 16 rows of a head, the median row's largest weight is
+  0.77); ``V`` with outlier channels (``2^u``, ``u ~ U(-2, 2)`` per channel) and ``dO``
+  rows of spread norms;
 - ``model``: the calls a ``transformers`` Llama built from a config (random weights,
   RoPE, causal, grouped-query attention) makes on a structured token stream, with the
   ``dO`` its language-model loss sends back (fp16 scaled by ``2^16`` as ``GradScaler``
