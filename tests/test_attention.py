@@ -49,6 +49,32 @@ class Attn(nn.Module):
         return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 32))
 
 
+def test_confirmation_examines_at_most_limit_heads_on_the_host() -> None:
+    """HOST_HEADS (16) heads by default, worst D/T first; ``limit=None`` every flagged head
+    (what ``bench detect --attention`` asks for). One row corrupted in each of 20 heads."""
+    from sdc_guard.core.attention_confirm import HOST_HEADS, confirm_backward, confirm_forward
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 20, 8, 16) for _ in range(3))
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False)
+    ops = AttentionOperands(q, k, v, None, False, default_scale(16, None))
+    bad = out.clone()
+    bad[0, :, 3, 0] += torch.arange(1, 21.0) * 10  # head h off by 10 (h + 1): the last heads are the worst
+    check = forward_screen(ops, bad)
+    assert int((~check.ok).sum()) == 20
+    default = confirm_forward(ops, bad, check, on_host=True)
+    assert default.sdc[0, :, 3].nonzero().flatten().tolist() == list(range(20 - HOST_HEADS, 20))
+    assert bool(confirm_forward(ops, bad, check, on_host=True, limit=None).sdc[0, :, 3].all())
+    do = torch.randn_like(out)
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, out, lse, 0.0, False)
+    dv = dv.clone()
+    dv[0, :, 3, 0] += torch.arange(1, 21.0) * 10
+    bcheck = backward_screen(ops, do, out, dq, dk, dv)
+    assert int((~bcheck.dv.ok).sum()) == 20
+    assert int(confirm_backward(ops, do, out, dq, dk, dv, bcheck, on_host=True)[2].sdc.sum()) == HOST_HEADS
+    assert bool(confirm_backward(ops, do, out, dq, dk, dv, bcheck, on_host=True, limit=None)[2].sdc[0, :, 3].all())
+
+
 def test_sdpa_is_verified_and_counted() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(Attn(), nn.Linear(32, 4))

@@ -139,6 +139,62 @@ def test_detect(tmp_path: Path) -> None:
         assert res["summary"]["false_alarms"] == 0
 
 
+#: a tiny attention configuration: 2 query heads sharing 1 key/value head, L = 16, head dim 16
+TINY_ATTENTION = ("--attention", "--ctx", "16", "--head-dim", "16", "--heads", "2", "--kv-heads", "1", "--trials", "1",
+                  "--magnitudes", "1e-4,1000")
+
+
+def test_detect_attention(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--attention``: the real screen and confirmation of the SDPA kernel's outputs, per
+    bit and per magnitude, for O, dQ, dK, dV. A screen that flagged nothing would fail the
+    top-exponent bound; one that flagged everything would fail the clean calls and the
+    lowest mantissa bit (whose flip moves a value by less than the rounding the bound allows)."""
+    out = tmp_path / "detect.json"
+    assert cli.main(["bench", "detect", *TINY_ATTENTION, "--quiet", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "confirmed, by flipped bit" in printed and "confirmed false alarms: 0" in printed
+    report = json.loads(out.read_text())
+    assert report["mode"] == "attention" and report["targets"] == ["O", "dQ", "dK", "dV"]
+    assert [r["dtype"] for r in report["results"]] == ["bf16", "fp16", "fp32"]
+    cases = ["gaussian", "peaked", "model"]
+    for res in report["results"]:
+        width = 32 if res["dtype"] == "fp32" else 16
+        assert len(res["by_bit"]) == (len(cases) + 1) * 4 * width * 2  # each case and all pooled
+        assert len(res["by_magnitude"]) == (len(cases) + 1) * 4 * 2
+        rows = {"O": 32, "dQ": 32, "dK": 16, "dV": 16}  # B Hq L and B Hkv S, one call per case
+        assert {(c["case"], c["target"]): c["rows"] for c in res["clean"]} == {
+            (case, t): n for case in cases for t, n in rows.items()}
+        assert all(c["confirmed"] == 0 for c in res["clean"])  # no confirmed detection on a clean call
+        assert all(c["suspects"] == 0 and c["worst_ratio"] < 0.5 for c in res["clean"])  # nor a screen miss
+        assert res["summary"]["false_alarms"] == 0
+        pooled = [c for c in res["by_bit"] if c["case"] == "all"]
+        assert all(c["detected"] <= c["flagged"] <= c["trials"] for c in res["by_bit"])
+        for target in ("O", "dQ", "dK", "dV"):
+            top = [c for c in pooled if c["target"] == target and c["field"] == "exponent (top)"
+                   and c["direction"] == "0->1"]
+            assert len(top) == 1 and top[0]["trials"] >= rows[target]  # elements under 2 in magnitude (bit 0)
+            assert top[0]["rate"] > 0.9, (res["dtype"], target, top[0])
+            low = [c for c in pooled if c["target"] == target and c["bit"] == 0]
+            assert sum(c["trials"] for c in low) > 0 and all(c["flag_rate"] < 0.1 for c in low), (res["dtype"], target, low)
+            big = next(m for m in res["by_magnitude"] if m["case"] == "all" and m["target"] == target
+                       and m["magnitude"] == 1000)
+            assert big["rate"] == 1.0  # 1000x the head's RMS in one element: always confirmed
+        summary = res["summary"]
+        assert summary["clean_rows"] == 3 * sum(rows.values()) and summary["clean_confirmed"] == 0
+        assert set(summary["top_exponent_on"]) == {"O", "dQ", "dK", "dV"}
+
+
+def test_detect_attention_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "detect", "--attention", "--heads", "3", "--kv-heads", "2", "--quiet"]) == 2
+    assert "heads: expected a multiple of --kv-heads (2), got 3" in capsys.readouterr().err
+    assert cli.main(["bench", "detect", "--attention", "--training", "--quiet"]) == 2
+    assert "expected one of them, got both" in capsys.readouterr().err
+    assert cli.main(["bench", "detect", "--attention", "--trials", "0", "--quiet"]) == 2
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "detect", "--attention", "--operands", "uniform"])
+    assert "operands: expected names from" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_detect_training_reports_what_each_sampler_catches_by_bit_class(tmp_path: Path) -> None:
     report = bench(tmp_path, "detect", "--training", "--trials", "4")

@@ -51,16 +51,17 @@ def _stack(x: Tensor, hkv: int) -> Tensor:
     return x.reshape(b * hkv, (h // hkv) * n, d)
 
 
-def _pick(cands: list[Tensor], scores: list[Tensor], n: int, on_host: bool) -> tuple[Tensor, Tensor]:
+def _pick(cands: list[Tensor], scores: list[Tensor], n: int, on_host: bool,
+          limit: int | None) -> tuple[Tensor, Tensor]:
     """Stacked heads to examine (``[n]`` candidate rows reduced per head), and whether
-    each picked one holds a suspect."""
+    each picked one holds a suspect; on the host at most ``limit`` (``None``: all)."""
     flagged = torch.stack([c.reshape(n, -1).any(-1) for c in cands]).any(0)
     score = torch.stack([torch.where(c, s.nan_to_num(nan=float("inf")), -1.0).reshape(n, -1).amax(-1)
                          for c, s in zip(cands, scores)]).amax(0)
     if on_host:
         picked = torch.nonzero(flagged).flatten()
-        if picked.numel() > HOST_HEADS:
-            picked = picked[score[picked].argsort(descending=True)[:HOST_HEADS]]
+        if limit is not None and picked.numel() > limit:
+            picked = picked[score[picked].argsort(descending=True)[:limit]]
         return picked, torch.ones(picked.shape, dtype=torch.bool, device=flagged.device)
     picked = torch.topk(score, min(DEVICE_HEADS, n)).indices
     return picked, flagged[picked]
@@ -103,13 +104,16 @@ def _tail(err: Tensor, magnitude: Tensor, terms: int, out_rounding: float, floor
     return (err + (magnitude + err) * out_rounding + floor) * _SLACK
 
 
-def confirm_forward(ops: AttentionOperands, out: Tensor, check: RowCheck, on_host: bool | None = None) -> RowConfirmation:
-    """Settle the forward screen's suspects of ``out`` exactly (never writes an input)."""
+def confirm_forward(ops: AttentionOperands, out: Tensor, check: RowCheck, on_host: bool | None = None,
+                    limit: int | None = HOST_HEADS) -> RowConfirmation:
+    """Settle the forward screen's suspects of ``out`` exactly (never writes an input).
+    ``limit``: at most this many stacked heads examined on the host, worst first
+    (``None``: every one, as ``sdc-guard bench detect --attention`` asks)."""
     b, hq, hkv, l, s, d, dv = ops.dims
     n = b * hkv
     on_host = out.device.type == "cpu" if on_host is None else on_host
     cand = ~check.ok & ~check.inputs_bad
-    picked, live = _pick([cand], [check.ratio], n, on_host)
+    picked, live = _pick([cand], [check.ratio], n, on_host, limit)
     if picked.numel() == 0:
         return _empty(cand)
     rnd = rounding_model(ops.q.dtype, ops.q.device)
@@ -130,13 +134,15 @@ def confirm_forward(ops: AttentionOperands, out: Tensor, check: RowCheck, on_hos
 
 
 def confirm_backward(ops: AttentionOperands, grad_out: Tensor, out: Tensor, dq: Tensor, dk: Tensor, dv: Tensor,
-                     check: BackwardCheck, on_host: bool | None = None) -> tuple[RowConfirmation, ...]:
-    """Settle the backward screen's suspects exactly: (dq, dk, dv) confirmations."""
+                     check: BackwardCheck, on_host: bool | None = None,
+                     limit: int | None = HOST_HEADS) -> tuple[RowConfirmation, ...]:
+    """Settle the backward screen's suspects exactly: (dq, dk, dv) confirmations;
+    ``limit`` as in ``confirm_forward``."""
     b, hq, hkv, l, s, d, dvd = ops.dims
     n = b * hkv
     on_host = dq.device.type == "cpu" if on_host is None else on_host
     cands = [~c.ok & ~c.inputs_bad for c in (check.dq, check.dk, check.dv)]
-    picked, live = _pick(cands, [c.ratio for c in (check.dq, check.dk, check.dv)], n, on_host)
+    picked, live = _pick(cands, [c.ratio for c in (check.dq, check.dk, check.dv)], n, on_host, limit)
     if picked.numel() == 0:
         return tuple(_empty(c) for c in cands)
     rnd = rounding_model(ops.q.dtype, ops.q.device)

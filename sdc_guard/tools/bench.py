@@ -9,7 +9,8 @@ summary at a glance on stdout when it ends, and (``--json PATH``) everything it 
 - ``fp``: false positives on clean products, the proposal's acceptance 1
   (``sdc_guard.tools.bench_fp``);
 - ``detect``: detection rate by flipped bit, flip direction and error magnitude
-  (``sdc_guard.tools.bench_detect``);
+  (``sdc_guard.tools.bench_detect``; ``--attention``: of fused attention's output and
+  input gradients, ``sdc_guard.tools.bench_detect_attention``);
 - ``train``: end-to-end training-step overhead of ``protect()`` with ``Full()``,
   ``Budget`` and ``EveryN``, and the coverage each achieves (``sdc_guard.tools.bench_train``);
 - ``calibrate``: the largest D/T at ``e_max = 1`` on this device, and the ``e_max`` to use
@@ -20,6 +21,7 @@ Exit status: 0, or 1 when ``fp`` counted a false positive, or 2 for bad argument
     sdc-guard bench overhead --json overhead.json
     sdc-guard bench overhead --shapes square --dtypes bf16 --m 1,512
     sdc-guard bench fp --trials 1000 --json fp.json
+    sdc-guard bench detect --attention --json detect_attention.json
     sdc-guard bench calibrate --dtypes bf16 --trials 200
 """
 
@@ -35,7 +37,8 @@ from .bench_common import Outcome, write_json
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "overhead": ("sdc_guard.tools.bench_overhead", "per-matmul overhead against the bare matmul, beside the alternatives"),
     "fp": ("sdc_guard.tools.bench_fp", "false positives on clean products (must be 0)"),
-    "detect": ("sdc_guard.tools.bench_detect", "detection rate by bit, flip direction and error magnitude"),
+    "detect": ("sdc_guard.tools.bench_detect", "detection rate by bit, flip direction and error magnitude "
+               "(GEMMs; fused attention with --attention)"),
     "train": ("sdc_guard.tools.bench_train", "training-step overhead of protect() and the coverage of each sampler"),
     "calibrate": ("sdc_guard.tools.bench_calibrate", "max D/T at e_max = 1 on this device, and a recommended e_max"),
 }

@@ -395,3 +395,35 @@ def bit_field(dtype: torch.dtype, bit: int) -> str:
     if bit == sign - 1:
         return "exponent (top)"
     return "exponent" if bit >= first_exp else "mantissa"
+
+
+# --- corrupting outputs (bench detect) -----------------------------------------------------
+
+INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+#: flip direction -> its label
+DIRECTIONS = {"on": "0->1", "off": "1->0"}
+
+
+def pick_per_row(candidates: Tensor, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """One random True column per row of ``candidates`` (2-D); rows without one are dropped."""
+    scores = torch.rand(candidates.shape, generator=gen, device=candidates.device)
+    scores = torch.where(candidates, scores, -1.0)
+    cols = scores.argmax(-1)
+    rows = torch.arange(candidates.shape[0], device=candidates.device)
+    keep = candidates[rows, cols]
+    return rows[keep], cols[keep]
+
+
+def bit_set(c: Tensor, bit: int) -> Tensor:
+    """Where ``bit`` of each element of ``c`` (bf16, fp16 or fp32) is 1."""
+    return ((c.view(INT_VIEW[c.dtype]) >> bit) & 1).bool()
+
+
+def flip_rows(c: Tensor, rows: Tensor, cols: Tensor, bit: int, width: int) -> Tensor:
+    """A copy of 2-D ``c`` with ``bit`` toggled at ``(rows[i], cols[i])``; ``width``: the
+    dtype's bits (the top one is the sign of the signed integer view)."""
+    bad = c.clone()
+    raw = bad.view(INT_VIEW[c.dtype])
+    mask = -(1 << bit) if bit == width - 1 else (1 << bit)  # the sign bit of a signed int view
+    raw[rows, cols] ^= mask
+    return bad

@@ -20,7 +20,8 @@ the clean products beside it: the share of segments it suspected that the confir
 cleared.
 
 ``--training`` measures samplers instead of the check: faults in a training run
-(``sdc_guard.tools.bench_detect_training``).
+(``sdc_guard.tools.bench_detect_training``); ``--attention`` the fused-attention check
+(``sdc_guard.tools.bench_detect_attention``).
 """
 
 from __future__ import annotations
@@ -36,15 +37,15 @@ from torch import Tensor
 from .. import backends
 from ..core.abft import weight_side
 from ..backends import GemmRequest
+from . import bench_detect_attention
 from .bench_common import (
-    DISTRIBUTIONS, FP16_NOTE, SHORT_NAME, Outcome, Progress, argtype, bit_field, generator, machine, operands,
-    parse_dtypes, parse_names, parse_shape, pct, product, resolve_device, table,
+    DIRECTIONS, DISTRIBUTIONS, FP16_NOTE, SHORT_NAME, Outcome, Progress, argtype, bit_field, bit_set, flip_rows,
+    generator, machine, operands, parse_dtypes, parse_names, parse_shape, pct, pick_per_row, product, resolve_device,
+    table,
 )
 from ..core.confirm import confirm
 from ..core.precision import SCREENS, SEGMENT, resolve_screen
 
-_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-DIRECTIONS = {"on": "0->1", "off": "1->0"}
 MAGNITUDES = (1e-4, 1e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 2.0, 4.0, 10.0, 100.0)
 
 
@@ -67,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from . import bench_detect_training  # imports torch.nn models: only when asked for
 
     bench_detect_training.add_arguments(parser)
+    bench_detect_attention.add_arguments(parser)
 
 
 def _floats(text: str) -> list[float]:
@@ -77,16 +79,6 @@ def _floats(text: str) -> list[float]:
     if not values or any(not (v > 0 and math.isfinite(v)) for v in values):
         raise ValueError(f"magnitudes: expected positive finite numbers, got {text!r}")
     return values
-
-
-def _pick(candidates: Tensor, gen: torch.Generator) -> tuple[Tensor, Tensor]:
-    """One random True column per row of ``candidates``; rows without one are dropped."""
-    scores = torch.rand(candidates.shape, generator=gen, device=candidates.device)
-    scores = torch.where(candidates, scores, -1.0)
-    cols = scores.argmax(-1)
-    rows = torch.arange(candidates.shape[0], device=candidates.device)
-    keep = candidates[rows, cols]
-    return rows[keep], cols[keep]
 
 
 def _segment_rms(c: Tensor) -> Tensor:
@@ -132,14 +124,6 @@ def _check(backend: Any, req: GemmRequest, bad: Tensor, rows: Tensor, cols: Tens
     tally.rel_errors += rel[changed].tolist()
 
 
-def _flip(c: Tensor, rows: Tensor, cols: Tensor, bit: int, width: int) -> Tensor:
-    bad = c.clone()
-    raw = bad.view(_INT_VIEW[c.dtype])
-    mask = -(1 << bit) if bit == width - 1 else (1 << bit)  # the sign bit of a signed int view
-    raw[rows, cols] ^= mask
-    return bad
-
-
 def run_dtype(dtype: torch.dtype, screen: str, args: argparse.Namespace, device: torch.device,
               progress: Progress) -> dict[str, Any]:
     m, k, n = args.shape
@@ -161,15 +145,14 @@ def run_dtype(dtype: torch.dtype, screen: str, args: argparse.Namespace, device:
         clean_confirmed += int(confirm(req, clean.ok, clean.inputs_bad, clean.ratio, on_host=True,
                                        limit=None).corrupted.sum())
         rms = _segment_rms(c)
-        raw = c.view(_INT_VIEW[dtype])
         for bit in range(width):
-            state = ((raw >> bit) & 1).bool()
+            state = bit_set(c, bit)
             for direction in DIRECTIONS:
-                rows, cols = _pick(~state if direction == "on" else state, gen)
+                rows, cols = pick_per_row(~state if direction == "on" else state, gen)
                 if rows.numel():
-                    _check(backend, req, _flip(c, rows, cols, bit, width), rows, cols, rms, c, bits[(bit, direction)])
+                    _check(backend, req, flip_rows(c, rows, cols, bit, width), rows, cols, rms, c, bits[(bit, direction)])
         for r in args.magnitudes:
-            rows, cols = _pick(torch.ones(m, n, dtype=torch.bool, device=device), gen)
+            rows, cols = pick_per_row(torch.ones(m, n, dtype=torch.bool, device=device), gen)
             sign = torch.where(torch.rand(rows.shape, generator=gen, device=device) < 0.5, -1.0, 1.0)
             bad = c.clone()
             bad[rows, cols] = (c[rows, cols].float() + sign * r * rms[rows, cols // SEGMENT]).to(dtype)
@@ -254,6 +237,10 @@ def _rate(item: dict[str, Any] | None) -> str:
 
 
 def run(args: argparse.Namespace) -> Outcome:
+    if getattr(args, "training", False) and getattr(args, "attention", False):
+        raise ValueError("--training and --attention: expected one of them, got both")
+    if getattr(args, "attention", False):
+        return bench_detect_attention.run(args)
     if getattr(args, "training", False):
         from . import bench_detect_training
 

@@ -46,6 +46,8 @@ BIT_CLASSES = ("sign", "exponent (top)", "exponent", "mantissa")
 HARMFUL = 0.01
 #: Clean steps before the first trial: the screen's reference and Budget's costs are learnt.
 WARMUP_STEPS = 6
+#: faults when ``--trials`` is not given
+TRIALS = 200
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--training", action="store_true",
                        help="inject random single-bit faults into random GEMMs of a training run and report, per "
                             "bit class, what each sampler catches")
-    group.add_argument("--trials", type=int, default=200,
-                       help="faults, one per step (default 200: 50 per bit class)")
+    group.add_argument("--trials", type=int, default=None,
+                       help=f"--training: faults, one per step (default {TRIALS}: 50 per bit class); --attention: "
+                            "SDPA calls per kind of operands and dtype, each one trial per output row (default 2)")
     group.add_argument("--budget", type=float, default=0.05, help="Budget's max_overhead (default 0.05)")
 
 
@@ -125,6 +128,8 @@ def _relative_change(before: list[torch.Tensor], faulty: list[torch.Tensor], cle
 
 
 def run(args: argparse.Namespace) -> Outcome:
+    if args.trials is None:
+        args.trials = TRIALS
     if args.trials < 1:
         raise ValueError(f"trials: expected a positive int, got {args.trials}")
     if not 0 < args.budget < math.inf:
