@@ -177,7 +177,8 @@ def read(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
     Raises ``ShardedCheckpointError`` on every rank if any rank could not read its part.
 
     Each rank reads its own ``rank<r>.pt``; a rank the writing job did not have (a
-    restart with more ranks) reads rank 0's. DCP reshards the model and optimizer.
+    restart with more ranks) reads rank 0's, and DCP reshards the model and optimizer
+    (a restart with another number of ranks is not tested).
     """
     dcp, sd = _dcp()
     rank = distributed.rank()
@@ -187,14 +188,13 @@ def read(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
         manifest = read_manifest(path)
         own = _rank_file(path, rank)
         side = load_checkpoint(own if own.exists() else _rank_file(path, 0))
-        if not isinstance(side, dict) or side.get("step") != manifest["step"]:
+        if not isinstance(side, dict) or side.get("step") != manifest["step"] \
+                or not isinstance(side.get("extras"), dict):
             raise ValueError(f"its rank file does not match its manifest (step {manifest['step']})")
-        missing = sorted(set(extras) - set(side.get("extras", {})))
-        if missing:
-            raise ValueError(f"it holds no state for extras {missing}")
-        if (optimizer is None) != (manifest.get("optimizer") == "none"):
-            raise ValueError(f"its optimizer state is {manifest.get('optimizer')!r}, "
-                             f"this store {'has no' if optimizer is None else 'has an'} optimizer")
+        if manifest.get("optimizer") not in ("dcp", "plain", "none"):
+            raise ValueError(f"its manifest's optimizer entry is {manifest.get('optimizer')!r}")
+        if manifest["optimizer"] == "plain" and not isinstance(side.get("optimizer"), dict):
+            raise ValueError("its rank file holds no optimizer state")
         found.update(manifest=manifest, side=side)
 
     what = f"reading {path.name}"
@@ -202,16 +202,20 @@ def read(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
     manifest, side = found["manifest"], found["side"]
     target: dict[str, Any] = {}
 
+    optimizer_kind = manifest["optimizer"] if optimizer is not None else "none"
+
     def shards() -> None:
         target["model"] = _clone(sd.get_model_state_dict(model))
-        if manifest["optimizer"] == "dcp":
+        if optimizer_kind == "dcp":
             target["optimizer"] = _clone(sd.get_optimizer_state_dict(model, optimizer))
         dcp.load(target, checkpoint_id=path)
 
     _agree(_attempt(shards), what)
-    state: dict[str, Any] = {"model": target["model"], **side["extras"]}
-    if optimizer is not None:
-        state["optimizer"] = target["optimizer"] if manifest["optimizer"] == "dcp" else side["optimizer"]
+    # what the checkpoint holds is loaded, as from a file: an object it has no state for
+    # (an extra added since, an optimizer it was written without) is left as it is
+    state: dict[str, Any] = {"model": target["model"], **{k: v for k, v in side["extras"].items() if k in extras}}
+    if optimizer_kind != "none":
+        state["optimizer"] = target["optimizer"] if optimizer_kind == "dcp" else side["optimizer"]
     return manifest["step"], state
 
 
