@@ -63,6 +63,8 @@ class ShardedCheckpointError(OSError):
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``model`` holds DTensor parameters or buffers (FSDP2, tensor parallelism):
     state that no one rank holds whole. Its optimizer's state follows its parameters."""
+    if not torch.distributed.is_available():  # a build without torch.distributed has no DTensor
+        return False
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(t, DTensor) for t in (*model.parameters(), *model.buffers()))
@@ -133,7 +135,10 @@ def write(path: Path, writer: str, step: int, model: nn.Module, optimizer: torch
     ``writer`` is rank 0's ``<host>-<pid>`` (the temporary name), ``on_commit`` runs on
     rank 0 once the checkpoint is in place (pruning), inside the agreed last phase.
     Raises ``ShardedCheckpointError`` on every rank if any rank failed; the temporary
-    directory is then removed and no checkpoint of ``step`` is added.
+    directory is then removed. A failure before the rename adds no checkpoint; one after
+    it (the folder's fsync, pruning) leaves the new checkpoint in place, complete, listed
+    like any other. Building the state dicts, before DCP's own agreed phases, is assumed
+    to behave alike on every rank (the same model and optimizer, sharded alike).
     """
     dcp, sd = _dcp()
     rank = distributed.rank()
