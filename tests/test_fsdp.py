@@ -4,11 +4,14 @@ Real gloo process groups on CPU (tests/fsdp_worker.py), the tiny GPT of tests/mo
 clean training is verified GEMM by GEMM and changes nothing, a transient fault on one rank
 is re-executed by all ranks and leaves the run bit-identical to a clean one, a persistent
 fault rolls every rank back to the sharded snapshot (parameters and Adam moments).
+Sharded checkpoints (DCP directories every rank writes) restore every rank's shards bit
+for bit, after a restart too, and a disk that fails on one rank fails the write on all.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import socket
 import sys
 from pathlib import Path
@@ -99,6 +102,67 @@ def test_fsdp2_four_ranks(tmp_path: Path) -> None:
 def test_tensor_parallel_two_ranks(tmp_path: Path) -> None:
     states, summaries = _spawn(tmp_path, "tp", 2, ("bare", "clean", "transient", "persistent"))
     _check(states, summaries, 2, cached=True)
+
+
+def _check_checkpoints(tmp_path: Path, world_size: int) -> None:
+    """What ``fsdp_worker.checkpoints`` did, on every rank (see its numbered phases)."""
+    states = [torch.load(tmp_path / f"rank{r}-checkpoints.pt") for r in range(world_size)]
+    infos = [json.loads((tmp_path / f"rank{r}-checkpoints.json").read_text()) for r in range(world_size)]
+    info, clean = infos[0], states[0]["clean"]
+    run, last = info["run_id"], len(clean) - 1
+    name = (lambda step: f"sdc_guard-{run}-step{step}.dcp")
+    assert not _same(clean[last - 1], clean[last - 2])  # (states that move)
+    # 1. one run id (rank 0's, the ranks made their own), keep=2, no temporaries left
+    assert [i["run_id"] for i in infos] == [run] * world_size
+    assert info["files"] == [name(last - 3), name(last - 1)]
+    contents = info["contents"]
+    assert {".metadata", "sdc_guard.json"} | {f"rank{r}.pt" for r in range(world_size)} <= set(contents)
+    assert any(n.endswith(".distcp") for n in contents)
+    for rank in range(world_size):
+        got, mine = infos[rank], states[rank]
+        # every rank's view is the full state, the same on all ranks
+        # 2. in-memory snapshots dropped: the newest checkpoint, bit for bit
+        assert got["restored"] == last - 1 and _same(mine["restored"], clean[last - 1]), rank
+        # 3. the restart: the garbage copy skipped by all ranks, the persistent fault
+        #    rolled back from disk, then the step done again as in the clean run
+        assert got["temporaries"] == []  # the killed writer's directory went when the store opened
+        assert got["outcomes"] == [[last, [world_size - 1], "persistent", "rollback", last - 1],
+                                   [last + 1, [], None, None, None]], rank
+        assert _same(mine["rolled_back"], clean[last - 1]) and _same(mine["resumed"], clean[last]), rank
+        skipped = [m for m in got["skipped"] if name(last + 1) in m]
+        assert len(skipped) == 1 and "reading" in skipped[0] and "rank 0:" in skipped[0], got["skipped"]
+        assert any(name(last + 2) in m and "not a complete checkpoint directory" in m
+                   for m in got["skipped"]) == (rank == 0)  # rank 0's listing decides
+        # the write after the rollback replaced the garbage copy; the oldest pruned; a
+        # directory that never finished is never deleted
+        assert got["files_after_restart"] == [name(last - 1), name(last + 1), name(last + 2)]
+        # 4. a new run id: the newest readable checkpoint of any run (the one just written)
+        assert got["any_run"] == last + 1 and _same(mine["any_run"], clean[last]), rank
+        # 5. rank 1's full disk: the same error on every rank, one warning each, no step lost
+        disk = got["disk"]
+        assert disk["errors"] == info["disk"]["errors"]
+        for error in disk["errors"]:
+            # (DCP's writer names the cause when a tensor's write fails; when torch.save
+            # writes a non-tensor value, all that is left of it is a write cut short)
+            assert "rank 1:" in error and re.search("the disk is full|as on a full disk", error), error
+            assert "rank 0:" not in error
+        assert len(disk["warnings"]) == 2 and disk["stepped"] == [True] * 3 and disk["last_good"] == 2
+        assert disk["files"] == ["sdc_guard-full-step-1.dcp", "sdc_guard-full-step0.dcp"]
+        assert disk["files_small"] == []  # the failed write's temporary directory removed
+        assert disk["restored"] == 0 and _same(mine["disk_restored"], clean[0])
+        assert _same(mine["disk_last"], clean[2])
+
+
+@pytest.mark.slow
+def test_fsdp2_sharded_checkpoints_two_ranks(tmp_path: Path) -> None:
+    _spawn(tmp_path, "fsdp", 2, ("checkpoints",))
+    _check_checkpoints(tmp_path, 2)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_sharded_checkpoints_two_ranks(tmp_path: Path) -> None:
+    _spawn(tmp_path, "tp", 2, ("checkpoints",))
+    _check_checkpoints(tmp_path, 2)
 
 
 def test_storage_address_of_freed_and_storageless_tensors() -> None:

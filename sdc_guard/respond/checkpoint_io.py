@@ -6,14 +6,23 @@ loaded with ``weights_only=True``. A file named like a checkpoint that is not a 
 torch archive is told apart cheaply (``looks_complete``), and temporary files of writers
 that were killed mid-write are found and removed (``remove_stale_temporaries``). How a
 ``SnapshotStore`` names, prunes and chooses its files is in ``sdc_guard.respond.snapshot``.
+
+Checkpoints of sharded state are directories (``sdc_guard-<run>-step<N>.dcp``, written by
+every rank through ``sdc_guard.respond.sharded_checkpoint``); this module holds what they
+share with files: the names, a manifest that tells a complete directory from one cut
+short (``MANIFEST``, ``write_manifest``, ``read_manifest``), moving a finished temporary
+directory into place and removing a checkpoint so that it disappears at once
+(``replace_directory``, ``remove_checkpoint``), and the stale temporaries of either kind.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import secrets
+import shutil
 import socket
 import time
 import zipfile
@@ -22,11 +31,19 @@ from typing import Any
 
 import torch
 
-#: ``sdc_guard-<run id>-step<N>.pt``; files of versions before run ids, without one, too.
-CHECKPOINT_PATTERN = re.compile(r"^sdc_guard-(?:(?P<run>[A-Za-z0-9_.]+)-)?step(?P<step>-?\d+)\.pt$")
-#: A temporary file of ``save_checkpoint``: ``.<name>.tmp-<host>-<pid>`` (older versions:
-#: ``.<name>.tmp-<pid>``).
-TEMPORARY_PATTERN = re.compile(r"^\.sdc_guard-.*\.pt\.tmp-(?:(?P<host>[A-Za-z0-9_.]+)-)?(?P<pid>\d+)$")
+#: ``sdc_guard-<run id>-step<N>.pt`` (a file) or ``.dcp`` (a directory of sharded state);
+#: files of versions before run ids, without one, too. ``kind`` is ``pt`` or ``dcp``.
+CHECKPOINT_PATTERN = re.compile(
+    r"^sdc_guard-(?:(?P<run>[A-Za-z0-9_.]+)-)?step(?P<step>-?\d+)\.(?P<kind>pt|dcp)$")
+#: A temporary file of ``save_checkpoint`` or directory of a sharded write:
+#: ``.<name>.tmp-<host>-<pid>`` (older versions: ``.<name>.tmp-<pid>``); a sharded one
+#: carries rank 0's host and process id, the process that moves it into place.
+TEMPORARY_PATTERN = re.compile(
+    r"^\.sdc_guard-.*\.(?:pt|dcp)\.tmp-(?:(?P<host>[A-Za-z0-9_.]+)-)?(?P<pid>\d+)$")
+#: The file a complete checkpoint directory holds last: step, world size, every file and
+#: its size (JSON, so that telling complete from cut short unpickles nothing).
+MANIFEST = "sdc_guard.json"
+MANIFEST_FORMAT = "sdc_guard-dcp-1"
 RUN_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.]{1,64}$")
 #: A temporary file whose writer may still be alive is removed only when its last write
 #: is older than the run by this much: a writer inside one long ``write()`` call does not
@@ -40,6 +57,16 @@ _DISK_FULL = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is
 def host_label() -> str:
     """This host's name as temporary file names carry it (letters, digits, '_', '.')."""
     return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+
+
+def writer_label() -> str:
+    """``<host>-<pid>`` of this process: the tail of the temporary names it writes."""
+    return f"{host_label()}-{os.getpid()}"
+
+
+def temporary_path(path: Path, writer: str | None = None) -> Path:
+    """The temporary name ``path`` is written under before it is renamed into place."""
+    return path.with_name(f".{path.name}.tmp-{writer or writer_label()}")
 
 
 def new_run_id() -> str:
@@ -111,7 +138,7 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
         raise TypeError(f"path: expected a str or os.PathLike, got {type(path).__name__}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{host_label()}-{os.getpid()}")
+    tmp = temporary_path(path)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         sink = _Sink(fd)
@@ -131,12 +158,17 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    fsync_directory(path.parent)
+    return path
+
+
+def fsync_directory(path: str | os.PathLike) -> None:
+    """Make the entries of directory ``path`` (renames, new files) durable."""
+    dir_fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    return path
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -147,13 +179,20 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 def looks_complete(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a complete torch archive: non-empty, a zip whose central
     directory (written last) is present and names a pickle. Cheap: reads the end of the
-    file, never the tensors. A file cut short or not written by torch fails.
+    file, never the tensors. A file cut short or not written by torch fails. A directory
+    is complete when its manifest is (``read_manifest``).
 
     >>> import tempfile; d = Path(tempfile.mkdtemp()); (d / "x.pt").write_bytes(b"")
     0
     >>> looks_complete(d / "x.pt"), looks_complete(save_checkpoint(d / "y.pt", {"a": 1}))
     (False, True)
     """
+    if os.path.isdir(path):
+        try:
+            read_manifest(path)
+        except (OSError, ValueError):
+            return False
+        return True
     try:
         if os.path.getsize(path) == 0 or not zipfile.is_zipfile(path):
             return False
@@ -161,6 +200,77 @@ def looks_complete(path: str | os.PathLike) -> bool:
             return any(name.endswith("data.pkl") for name in archive.namelist())
     except (OSError, zipfile.BadZipFile, ValueError):
         return False
+
+
+def write_manifest(directory: Path, step: int, world_size: int, optimizer: str) -> dict[str, Any]:
+    """Write the manifest of a finished checkpoint directory (its last file, fsynced):
+    ``step``, ``world_size``, how the optimizer's state was kept (``optimizer``: ``"dcp"``,
+    ``"plain"`` or ``"none"``) and the size of every file in it."""
+    files = {e.name: e.stat().st_size for e in os.scandir(directory) if e.is_file() and e.name != MANIFEST}
+    manifest = {"format": MANIFEST_FORMAT, "step": step, "world_size": world_size,
+                "optimizer": optimizer, "files": files}
+    fd = os.open(directory / MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        data = json.dumps(manifest, sort_keys=True).encode()
+        if os.write(fd, data) != len(data):
+            raise OSError(errno.ENOSPC, f"{_DISK_FULL[errno.ENOSPC]} (a short write)", str(directory / MANIFEST))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_directory(directory)
+    return manifest
+
+
+def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of a complete checkpoint directory. Raises ``ValueError`` when it is
+    missing, not ours, or names a file that is absent or of another size (a copy cut
+    short), ``OSError`` when it cannot be read."""
+    path = Path(directory) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ValueError(f"it has no {MANIFEST} (a write that never finished, or not a checkpoint)") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"its {MANIFEST} is not valid JSON") from exc
+    step = manifest.get("step") if isinstance(manifest, dict) else None
+    if (not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT
+            or isinstance(step, bool) or not isinstance(step, int)
+            or not isinstance(manifest.get("files"), dict)):
+        raise ValueError(f"its {MANIFEST} is not a {MANIFEST_FORMAT} manifest")
+    for name, size in manifest["files"].items():
+        try:
+            actual = os.stat(Path(directory) / name).st_size
+        except FileNotFoundError:
+            raise ValueError(f"{name} is missing") from None
+        if actual != size:
+            raise ValueError(f"{name} has {actual} bytes, {size} were written")
+    return manifest
+
+
+def replace_directory(tmp: Path, path: Path, writer: str) -> None:
+    """Move the finished directory ``tmp`` to ``path``, durably. A directory cannot be
+    renamed over a full one: an existing ``path`` (the same step written again after a
+    rollback or a restart) is first renamed to a temporary name and removed after."""
+    old = None
+    if path.exists():
+        old = temporary_path(path.with_name(f"{path.stem}-replaced{path.suffix}"), writer)
+        os.rename(path, old)
+    os.rename(tmp, path)
+    fsync_directory(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)  # left behind: a stale temporary, removed later
+
+
+def remove_checkpoint(path: Path, writer: str | None = None) -> None:
+    """Delete checkpoint ``path``, a file or a directory. A directory is renamed to a
+    temporary name first, so that it disappears whole even if removing its files fails
+    half-way (what is left is a stale temporary, removed later)."""
+    if not path.is_dir():
+        path.unlink(missing_ok=True)
+        return
+    doomed = temporary_path(path.with_name(f"{path.stem}-pruned{path.suffix}"), writer)
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def check_checkpoint_dir(checkpoint_dir: Any, name: str = "checkpoint_dir") -> Path:
@@ -204,8 +314,22 @@ def _writer_alive(pid: int) -> bool:
     return True
 
 
+def _last_write(entry: os.DirEntry) -> float:
+    """When ``entry`` was last written: for a directory, the newest of it and its files
+    (writing into a file does not touch its directory's time)."""
+    mtime = entry.stat(follow_symlinks=False).st_mtime
+    if entry.is_dir(follow_symlinks=False):
+        for inner in os.scandir(entry.path):
+            try:
+                mtime = max(mtime, inner.stat(follow_symlinks=False).st_mtime)
+            except OSError:
+                continue
+    return mtime
+
+
 def remove_stale_temporaries(directory: str | os.PathLike, run_started: float) -> list[Path]:
-    """Remove temporary files of ``save_checkpoint`` whose writer is gone; returns them.
+    """Remove temporary files of ``save_checkpoint`` (and temporary directories of sharded
+    writes) whose writer is gone; returns them.
 
     A writer on this host whose process no longer exists is gone; so is a file of this
     process's id from before ``run_started`` (a killed process whose id was reused, as in
@@ -224,7 +348,7 @@ def remove_stale_temporaries(directory: str | os.PathLike, run_started: float) -
         if match is None:
             continue
         try:
-            mtime = entry.stat(follow_symlinks=False).st_mtime
+            mtime = _last_write(entry)
         except OSError:
             continue
         pid = int(match["pid"])
@@ -237,7 +361,10 @@ def remove_stale_temporaries(directory: str | os.PathLike, run_started: float) -
             stale = mtime < run_started - STALE_TEMPORARY_SECONDS
         if stale:
             try:
-                os.unlink(entry.path)
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
                 removed.append(Path(entry.path))
             except OSError:
                 pass

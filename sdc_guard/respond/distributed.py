@@ -3,7 +3,9 @@
 One small collective per step (``flagged_ranks``, or ``step_flags`` with a gradient
 screen), one more only when something was flagged or tripped (``agree_max`` on the triage
 outcome). Without ``torch.distributed`` initialised,
-both are local no-ops, so the same code serves single-process runs.
+both are local no-ops, so the same code serves single-process runs. Checkpoints of
+sharded state add two more (``broadcast_object``, ``gather_errors``) around each write
+and each read from disk, so that every rank agrees on what exists and on what failed.
 
 Why lockstep matters: under DDP the backward pass all-reduces gradients, so a re-run on
 one rank alone would hang the others, and a rollback on one rank alone would leave the
@@ -11,6 +13,8 @@ replicas diverged.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -86,3 +90,31 @@ def barrier() -> None:
     read a file wait for the one that writes it."""
     if is_distributed():
         dist.barrier()
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (``obj`` itself without a process group): what rank
+    0 sees of a shared directory, or the names it chose, become every rank's.
+
+    >>> broadcast_object(("run", 3))
+    ('run', 3)
+    """
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_errors(error: str | None) -> list[str]:
+    """Every rank's ``error`` that is not ``None``, identical on every rank, in rank order,
+    each said once: a step that failed on one rank is known to have failed on all.
+
+    >>> gather_errors(None), gather_errors("rank 0: the disk is full")
+    ([], ['rank 0: the disk is full'])
+    """
+    errors = [error]
+    if is_distributed():
+        errors = [None] * world_size()
+        dist.all_gather_object(errors, error)
+    return list(dict.fromkeys(e for e in errors if e is not None))

@@ -42,8 +42,7 @@ class Responder:
         self.policy = policy
         self.snapshots = snapshots if snapshots is not None else SnapshotStore(guard.model, optimizer)
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
-        if self.snapshots.last_good is None and not self.snapshots.checkpoints():
-            self.snapshots.take(guard.step_index - 1)  # the state before the first guarded step
+        self.snapshots.take_initial(guard.step_index - 1)  # unless a snapshot or checkpoint exists
 
     def run(self, closure: Callable[[], Any] | None, *, replay: bool = False, loss: Any = None) -> StepOutcome:
         """One guarded step. ``closure=None`` (manual optimisation, GEMMs run before the

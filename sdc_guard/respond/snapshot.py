@@ -43,6 +43,24 @@ replicas of a data-parallel job hold the same state, so one file serves them all
 ``checkpoint_dir`` must be a folder every rank can read (a shared file system). A rank
 that restores from a file first waits at a barrier for rank 0's writes; a rollback is
 agreed in lockstep, so every rank gets there together.
+
+Sharded state (a model with DTensor parameters: FSDP2, tensor parallelism) is not one
+rank's to write: its checkpoints are directories, ``sdc_guard-<run id>-step<N>.dcp``,
+which every rank writes and reads together through ``torch.distributed.checkpoint``
+(``sdc_guard.respond.sharded_checkpoint``). Everything above holds for them, with these
+rules so that ranks never disagree:
+
+- the run id (and the temporary name) is rank 0's, broadcast when the store is made;
+- writing, reading from disk and deciding whether an initial snapshot is needed are
+  collectives: every rank's store does them at the same step, as the guard's lockstep
+  responses already do;
+- what exists on disk is what rank 0 lists, broadcast; rank 0 alone prunes;
+- a write or read that fails on any rank fails on all, agreed before anyone acts: a
+  failed write turns writing off on every rank with the same warning, a failed read
+  skips that checkpoint on every rank.
+
+A store lists and loads only checkpoints of its own kind: files for plain state,
+directories for sharded state.
 """
 
 from __future__ import annotations
@@ -59,6 +77,7 @@ import torch
 from torch import Tensor, nn
 
 from . import distributed
+from . import sharded_checkpoint
 from .checkpoint_io import (  # noqa: F401  (public names of this module since before the split)
     CHECKPOINT_PATTERN,
     RUN_ID_PATTERN,
@@ -70,8 +89,10 @@ from .checkpoint_io import (  # noqa: F401  (public names of this module since b
     load_checkpoint,
     looks_complete,
     new_run_id,
+    remove_checkpoint,
     remove_stale_temporaries,
     save_checkpoint,
+    writer_label,
 )
 
 log = logging.getLogger("sdc_guard")
@@ -103,6 +124,9 @@ class Snapshot:
     step: int
     state: dict[str, Any]  #: "model", "optimizer", and any extra stateful objects
     _ready: Any = field(default=None, repr=False)  #: CUDA event of the async host copy
+    #: ``"plain"``: ``state_dict()`` of each object; ``"dcp"``: read from a sharded
+    #: checkpoint, the model's and optimizer's state keyed by name (``get_model_state_dict``)
+    layout: str = "plain"
 
     def wait(self) -> "Snapshot":
         """Block until the asynchronous host copy is complete."""
@@ -162,8 +186,12 @@ class SnapshotStore:
         self._written: list[Path] = []  #: checkpoints this store wrote, oldest first
         self._unloadable: set[Path] = set()  #: complete-looking archives that failed to load
         self._warned: set[str] = set()
+        self._writer = writer_label()  #: the tail of temporary names (rank 0's, for sharded state)
+        self._agreed = False
         if self.checkpoint_dir is not None:
             remove_stale_temporaries(self.checkpoint_dir, self.started)
+            if self.sharded:
+                self._agree_names()
 
     def _stateful(self) -> dict[str, Stateful]:
         objs: dict[str, Stateful] = {"model": self.model}
@@ -176,6 +204,19 @@ class SnapshotStore:
     def last_good(self) -> Snapshot | None:
         """The newest known-good snapshot in memory."""
         return self.snapshots[-1] if self.snapshots else None
+
+    @property
+    def sharded(self) -> bool:
+        """Whether checkpoints are directories every rank writes (DTensor state) rather
+        than files rank 0 writes."""
+        return sharded_checkpoint.is_sharded(self.model)
+
+    def _agree_names(self) -> None:
+        """Take rank 0's run id and writer label (a collective, once): the ranks of a
+        sharded write must name one directory."""
+        if not self._agreed:
+            self.run_id, self._writer = distributed.broadcast_object((self.run_id, self._writer))
+            self._agreed = True
 
     @property
     def writing(self) -> bool:
@@ -210,6 +251,19 @@ class SnapshotStore:
                 self._disk_failed(exc)
         return snap
 
+    def take_initial(self, step: int) -> Snapshot | None:
+        """Snapshot the state before the first guarded step (``step``) unless a snapshot
+        is in memory or this run has a checkpoint on disk. For sharded state, whether it
+        has one is rank 0's answer, broadcast: the snapshot's write is a collective."""
+        if self.last_good is not None:
+            return None
+        if self.checkpoint_dir is not None and self.sharded:
+            self._agree_names()
+            exists = distributed.broadcast_object(bool(self.checkpoints()) if distributed.rank() == 0 else None)
+        else:
+            exists = bool(self.checkpoints())
+        return None if exists else self.take(step)
+
     def after_step(self, step: int) -> Snapshot | None:
         """Called after completed step ``step``: snapshot every ``every`` steps."""
         if step % self.every == 0 or not self.snapshots:
@@ -220,9 +274,16 @@ class SnapshotStore:
         """Where this run's checkpoint of ``step`` goes."""
         if self.checkpoint_dir is None:
             raise RuntimeError("checkpoint_path(): this store has no checkpoint_dir")
-        return self.checkpoint_dir / f"sdc_guard-{self.run_id}-step{step}.pt"
+        return self.checkpoint_dir / f"sdc_guard-{self.run_id}-step{step}.{self._kind}"
+
+    @property
+    def _kind(self) -> str:
+        return "dcp" if self.sharded else "pt"
 
     def _write(self, snap: Snapshot) -> None:
+        if self.sharded:
+            self._write_sharded(snap)
+            return
         if distributed.rank() != 0:
             return  # one writer: the replicas' states are the same
         path = save_checkpoint(self.checkpoint_path(snap.step), {"step": snap.step, **snap.wait().state})
@@ -233,8 +294,27 @@ class SnapshotStore:
         self._written = [p for p in self._written if p.exists()]
         remove_stale_temporaries(path.parent, self.started)
 
+    def _write_sharded(self, snap: Snapshot) -> None:
+        """Every rank writes its shards (a collective); rank 0 prunes once it is in place."""
+        self._agree_names()
+        path = self.checkpoint_path(snap.step)
+
+        def on_commit() -> None:  # rank 0, after the rename
+            self._unloadable.discard(path)  # a new checkpoint under a name that failed to load
+            self._written = [p for p in self._written if p != path] + [path]
+            for old in self.checkpoints()[: -self.keep]:
+                remove_checkpoint(old, self._writer)
+            self._written = [p for p in self._written if p.exists()]
+            remove_stale_temporaries(path.parent, self.started)
+
+        sharded_checkpoint.write(path, self._writer, snap.step, self.model, self.optimizer, self.extras,
+                                 on_commit)
+        self._unloadable.discard(path)
+
     def _disk_failed(self, exc: BaseException) -> None:
-        self.disk_error = describe_os_error(exc)
+        # a sharded write's error is already in words, and the same on every rank
+        agreed = isinstance(exc, sharded_checkpoint.ShardedCheckpointError)
+        self.disk_error = str(exc) if agreed else describe_os_error(exc)
         message = (f"sdc_guard: cannot write checkpoints to {self.checkpoint_dir}: {self.disk_error}; "
                    "known-good snapshots are kept in memory only for the rest of this run")
         log.warning(message)
@@ -250,7 +330,9 @@ class SnapshotStore:
     def checkpoints(self, *, all_runs: bool = False) -> list[Path]:
         """This run's readable checkpoints on disk (``all_runs``: every run's), oldest
         written first. Files that are empty or not complete archives are left out, with
-        a warning (once per file), and so are archives that ``restore()`` failed to load."""
+        a warning (once per file), and so are archives that ``restore()`` failed to load.
+        Only checkpoints of this store's kind are listed: ``.pt`` files for plain state,
+        ``.dcp`` directories for sharded state (this rank's view of the directory)."""
         if self.checkpoint_dir is None:
             return []
         try:
@@ -259,15 +341,18 @@ class SnapshotStore:
             return []
         order = {p: i for i, p in enumerate(self._written)}
         found = []
+        kind = self._kind
         for name in names:
             match = CHECKPOINT_PATTERN.match(name)
-            if match is None or (not all_runs and match["run"] != self.run_id):
+            if match is None or match["kind"] != kind or (not all_runs and match["run"] != self.run_id):
                 continue
             path = self.checkpoint_dir / name
             if path in self._unloadable:
                 continue
             if not looks_complete(path):
-                self._warn_unreadable(path, "empty or not a complete checkpoint archive")
+                self._warn_unreadable(path, "not a complete checkpoint directory (no manifest, or a file "
+                                            "missing or cut short)" if kind == "dcp" else
+                                      "empty or not a complete checkpoint archive")
                 continue
             if path in order:  # written by this store: newer than anything else of its run
                 key: tuple = (1, order[path], 0)
@@ -302,16 +387,46 @@ class SnapshotStore:
                 return Snapshot(step, state)
         raise RuntimeError("rollback: no known-good snapshot or readable checkpoint to restore")
 
+    def _load_newest_sharded(self) -> Snapshot:
+        """``_load_newest`` for checkpoint directories, a collective: rank 0's lists of
+        candidates, each read by every rank; one that any rank cannot read is skipped
+        by all (each rank warns with the agreed reason)."""
+        self._agree_names()
+        tried: set[str] = set()
+        for all_runs in (False, True):
+            names = None
+            if distributed.rank() == 0:
+                names = [p.name for p in reversed(self.checkpoints(all_runs=all_runs)) if p.name not in tried]
+            for name in distributed.broadcast_object(names):
+                tried.add(name)
+                path = self.checkpoint_dir / name
+                try:
+                    step, state = sharded_checkpoint.read(path, self.model, self.optimizer, self.extras)
+                except sharded_checkpoint.ShardedCheckpointError as exc:
+                    self._unloadable.add(path)
+                    self._warn_unreadable(path, str(exc))
+                    continue
+                return Snapshot(step, state, layout="dcp")
+        raise RuntimeError("rollback: no known-good snapshot or readable checkpoint to restore")
+
     def restore(self, snapshot: Snapshot | None = None) -> Snapshot:
         """Load ``snapshot`` (default: the last good one in memory, else this run's newest
         readable checkpoint, else, after a restart, the newest readable one of any run)
-        into the model, optimizer and extras; clears the taint."""
+        into the model, optimizer and extras; clears the taint. For sharded state,
+        restoring from disk is a collective: every rank calls it at the same point (the
+        guard's rollback does)."""
         if snapshot is None:
             snapshot = self.last_good
+        if snapshot is None and self.checkpoint_dir is not None and self.sharded:
+            snapshot = self._load_newest_sharded()
         if snapshot is None:
             distributed.barrier()  # rank 0's last write is complete before anyone reads
             snapshot = self._load_newest()
         snapshot.wait()
+        if snapshot.layout == "dcp":
+            sharded_checkpoint.apply(self.model, self.optimizer, self.extras, snapshot.state)
+            self.tainted = False
+            return snapshot
         for name, obj in self._stateful().items():
             if name in snapshot.state:
                 # a copy: Optimizer.load_state_dict keeps same-device tensors as they are,
