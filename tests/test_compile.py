@@ -17,7 +17,7 @@ from torch.overrides import _get_current_function_mode_stack
 import pytest
 
 import sdc_guard
-from sdc_guard.runtime import function_mode
+from sdc_guard.runtime import function_mode, graph_checks
 from sdc_guard.runtime.inject import GemmFault, drill
 from sdc_guard.runtime.sampling import EveryN
 
@@ -195,7 +195,7 @@ def test_transient_fault_on_compiled_gpt_is_recomputed_to_the_clean_run():
     for a, b in zip(clean.parameters(), faulted.parameters()):
         assert torch.equal(a, b)  # the run went on bit-identical to the clean one
     # a finished drill leaves no injection point behind (it would corrupt later compiled runs)
-    assert function_mode._local.drills == ()
+    assert graph_checks.active_drills() == ()
 
 
 @pytest.mark.slow  # a whole model through torch.compile (10-30 s): see CONTRIBUTING.md

@@ -29,7 +29,8 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
 from .attention import ATTENTION_HANDLERS, BACKWARD_OP, FORWARD_OP, fault_target, op_name
-from .function_mode import add_drill, function_mode_active, remove_drill
+from .function_mode import function_mode_active
+from .graph_checks import add_drill, remove_drill
 from .schedule import current_step
 from .intercept import GEMM_HANDLERS, GLOBAL_SITE, GemmInterceptor, SiteTracker, current_phase
 from .ops import Route, RoutingMode
