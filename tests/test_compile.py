@@ -76,6 +76,15 @@ def test_compiled_mlp_is_checked_in_one_graph_forward_and_backward():
     assert modules == {"fc1", "fc2"}  # sites from the module stack dynamo traced
 
 
+def test_sites_of_a_compiled_sequential_are_its_module_paths():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    compiled = torch.compile(model, backend="aot_eager")
+    with sdc_guard.protect(compiled) as guard:
+        mlp_step(compiled, torch.randn(4, 16))
+    assert {site[0] for site in guard._ledger.sites_seen} == {"0", "2"}  # dynamo calls the root "fn" here
+
+
 def test_explain_counts_one_graph_and_no_break_and_the_checks_inside_it():
     torch.manual_seed(0)
     model = MLP()

@@ -122,18 +122,22 @@ def trace_site() -> str:
 
 def module_path(path: str) -> str:
     """Dynamo's source name of a module (``L['self'].blocks[0].attn``,
-    ``L['self']._modules['fc1']``) as a ``named_modules`` path (``blocks.0.attn``).
+    ``L['self']._modules['fc1']``) as a ``named_modules`` path (``blocks.0.attn``). The
+    root is the variable that holds the model (``self`` in its ``forward``, ``fn`` for a
+    compiled ``nn.Sequential``, the argument or global of a compiled function): dropped.
 
     >>> module_path("L['self'].blocks[0].attn"), module_path("L['self']._modules['fc1']")
     ('blocks.0.attn', 'fc1')
+    >>> module_path("L['fn'].0"), module_path("G['model'].encoder.fc")
+    ('0', 'encoder.fc')
     """
     path = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", path)
     path = re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     parts = [p for p in path.split(".") if p]
-    if parts and (parts[0].startswith("L") or parts[0] in ("self", "G")):
-        parts = parts[1:]
-    if parts and parts[0] == "self":
+    if parts and parts[0] in ("L", "G"):
+        parts = parts[2:]  # the scope and the root variable's name
+    elif parts and (parts[0].startswith("L") or parts[0] == "self"):
         parts = parts[1:]
     if parts and parts[0] == "_orig_mod":
         parts = parts[1:]
