@@ -243,6 +243,19 @@ def test_inductor_compiled_mlp_is_checked_and_a_fault_caught():
     assert not counters["graph_break"]
 
 
+def test_drill_without_a_site_hits_the_in_graph_check_not_the_aten_op():
+    # dynamo runs compiled code with the function-mode stack empty: the drill must still
+    # leave the graph's aten GEMMs alone and corrupt at the check, with the traced site
+    torch.manual_seed(0)
+    model = MLP()
+    compiled = torch.compile(model, backend="aot_eager")
+    with drill(compiled, GemmFault(phase="backward", sticky=True)) as injector, sdc_guard.protect(compiled) as guard:
+        mlp_step(compiled, torch.randn(4, 16))
+    sites = [(i.site, i.phase) for i in injector.injections]
+    assert sites == [("fc2", "backward"), ("fc2", "backward"), ("fc1", "backward")]  # once per checked GEMM
+    assert {d.site for d in guard.last_report.detections} == {"fc1", "fc2"}
+
+
 def test_compiled_argument_is_checked():
     with pytest.raises(TypeError, match="compiled: expected a bool or None"):
         sdc_guard.protect(MLP(), compiled="yes")

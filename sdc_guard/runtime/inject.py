@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 
 from .attention import ATTENTION_HANDLERS, BACKWARD_OP, FORWARD_OP, fault_target, op_name
 from .function_mode import function_mode_active
-from .graph_checks import add_drill, remove_drill
+from .graph_checks import add_drill, current_sink, remove_drill
 from .schedule import current_step
 from .intercept import GEMM_HANDLERS, GLOBAL_SITE, GemmInterceptor, SiteTracker, current_phase
 from .ops import Route, RoutingMode
@@ -228,8 +228,11 @@ class FaultInjector(RoutingMode):
         """Routed like the guard's mode (``sdc_guard.runtime.ops``): the GEMMs inside composite
         ops and the eager bodies of ``torch.cond`` and flex attention are drilled too, and
         fused attention kernels (``op="sdpa"`` / ``"sdpa_backward"``). On the compiled route
-        the drill corrupts at the in-graph check instead (``_at_check``)."""
-        if function_mode_active():
+        the drill corrupts at the in-graph check instead (``_at_check``): while a
+        compiled-route guard collects this thread's checks, aten ops are left alone. (The
+        function mode alone does not say so: dynamo runs compiled code with the
+        function-mode stack empty, and the aten ops of the graph then reach this mode.)"""
+        if function_mode_active() or current_sink() is not None:
             return
         if route is Route.GEMM and isinstance(out, Tensor) and out.dtype in _INT_VIEW:
             self._maybe_corrupt(str(func.overloadpacket).split(".")[-1], out, args)
