@@ -21,7 +21,9 @@ guards include the function-mode stack, runs the graph it compiled without check
 model compiled under ``protect()`` compiles normally outside it (two cache entries, no
 recompilation after the first of each).
 
-Adding a torch function (SDPA, say) is one entry in ``ROUTES``: a function from the call's ``(func, args,
+Fused attention (``F.scaled_dot_product_attention``) takes the same way with a check op of
+its own, ``sdc_guard::check_attention`` (``sdc_guard.runtime.function_attention``). Adding a
+torch function is one entry in ``ROUTES``: a function from the call's ``(func, args,
 kwargs)`` to its result that calls ``check_gemm`` (or a check op of its own) on what it
 computed, and that is traceable by dynamo. What the check ops share (this thread's guard
 and drills, the ``CHECKS`` counter, the site of a traced call) is in
@@ -37,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from .function_attention import route_sdpa
 from .graph_checks import (  # noqa: F401  (set_sink ... module_path: also importable from here)
     CHECKS, CheckSink, add_drill, current_sink, module_path, remove_drill, run_drills, set_sink, trace_site,
     unverified,
@@ -242,14 +245,14 @@ ROUTES: dict[Callable, Callable[[Callable, tuple, dict], Any]] = {
     Tensor.addmm: _route_addmm("addmm"),
     torch.baddbmm: _route_addmm("baddbmm"),
     Tensor.baddbmm: _route_addmm("baddbmm"),
+    F.scaled_dot_product_attention: route_sdpa,  # = torch._C._nn.scaled_dot_product_attention
 }
 
 #: torch functions that multiply matrices and that the route does not verify: counted in
 #: ``unverified_ops`` under these names (their GEMMs run inside one fused call).
 UNVERIFIED_FUNCTIONS: dict[Callable, str] = {
     f: name for name, f in (
-        ("einsum", torch.einsum), ("tensordot", torch.tensordot), ("bilinear", F.bilinear),
-        ("scaled_dot_product_attention", F.scaled_dot_product_attention), ("conv1d", F.conv1d),
+        ("einsum", torch.einsum), ("tensordot", torch.tensordot), ("bilinear", F.bilinear), ("conv1d", F.conv1d),
         ("conv2d", F.conv2d), ("conv3d", F.conv3d), ("addmv", torch.addmv), ("mv", torch.mv),
         ("addbmm", torch.addbmm), ("dot", torch.dot), ("vdot", torch.vdot),
         ("multi_dot", torch.linalg.multi_dot), ("chain_matmul", torch.chain_matmul),

@@ -1,11 +1,11 @@
 """What the compiled route's in-graph checks share (docs/COMPILE.md).
 
-The compiled route puts custom ops into ``torch.compile``'s graphs (``check_gemm`` in
-``function_mode``, and any check op of a route of its own). Their bodies run at
+The compiled route puts custom ops into ``torch.compile``'s graphs: ``check_gemm``
+(``function_mode``) and ``check_attention`` (``function_attention``). Their bodies run at
 run time, outside anything dynamo traced, and need three things that only the running
 thread knows: the guard to report to (its *sink*), the fault drills that may corrupt an
 output just before it is checked, and, at trace time, the module path of the call. They
-live here, below the check ops, so that a route's module need not import another's.
+live here, below both check ops, so that neither imports the other.
 
 ``CHECKS`` is the tensor every check op mutates (``mutates_args=("flags",)``): a custom op
 that returns nothing and writes nothing is dead code to AOT autograd and inductor, and the
@@ -21,6 +21,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import Tensor
 
+from .attention import AttentionCall
 from .ops import Gemm
 
 
@@ -28,11 +29,13 @@ class CheckSink(Protocol):
     """What the check ops report to (the ``Guard`` of this thread)."""
 
     def on_gemm(self, gemm: Gemm, site: str | None = None, phase: str | None = None) -> None: ...
+    def on_attention(self, call: AttentionCall, site: str | None = None, phase: str | None = None) -> None: ...
     def on_unverified(self, op: str) -> None: ...
     def on_write(self, tensors: list[Tensor]) -> None: ...
 
 
-#: ``drill(op, out, site, phase)``: may corrupt ``out`` in place before it is checked
+#: ``drill(op, out, site, phase)``: may corrupt ``out`` (a tensor; for ``sdpa_backward``
+#: the tuple ``(grad_query, grad_key, grad_value)``) in place before it is checked
 Drill = Callable[[str, Any, str, str], None]
 
 

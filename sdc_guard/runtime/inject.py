@@ -251,12 +251,22 @@ class FaultInjector(RoutingMode):
             if target is not None and target.dtype in _INT_VIEW:
                 self._maybe_corrupt(op, target, args, only=fault)
 
-    def _at_check(self, op: str, out: Tensor, site: str, phase: str) -> None:
-        """The compiled route's injection point (``function_mode.check_gemm``): corrupt
-        ``out`` in place just before the in-graph check reads it, as a faulty unit would
-        have written it; ``site`` and ``phase`` are those the graph was traced with."""
-        if out.dtype in _INT_VIEW:
-            self._maybe_corrupt(op, out, (), site=site or GLOBAL_SITE, phase=phase)
+    def _at_check(self, op: str, out: Any, site: str, phase: str) -> None:
+        """The compiled route's injection point (``check_gemm``, ``check_attention``):
+        corrupt ``out`` in place just before the in-graph check reads it, as a faulty unit
+        would have written it; ``site`` and ``phase`` are those the graph was traced with.
+        For ``sdpa_backward`` ``out`` is ``(grad_query, grad_key, grad_value)``, and each
+        fault picks one by its ``output``, as on the eager route."""
+        site = site or GLOBAL_SITE
+        if op in (FORWARD_OP, BACKWARD_OP):
+            for fault in self.faults:
+                if fault.op != op:
+                    continue
+                target = out if op == FORWARD_OP else out[fault.output or 0]
+                if isinstance(target, Tensor) and target.numel() and target.dtype in _INT_VIEW:
+                    self._maybe_corrupt(op, target, (), site=site, phase=phase, only=fault)
+        elif out.dtype in _INT_VIEW:
+            self._maybe_corrupt(op, out, (), site=site, phase=phase)
 
     def _maybe_corrupt(self, op: str, out: Tensor, args: tuple, *, site: str | None = None,
                        phase: str | None = None, only: GemmFault | None = None) -> None:
