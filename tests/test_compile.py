@@ -17,7 +17,7 @@ from torch.overrides import _get_current_function_mode_stack
 import pytest
 
 import sdc_guard
-from sdc_guard.runtime import function_mode
+from sdc_guard.runtime import function_mode, graph_checks
 from sdc_guard.runtime.inject import GemmFault, drill
 from sdc_guard.runtime.sampling import EveryN
 
@@ -74,6 +74,15 @@ def test_compiled_mlp_is_checked_in_one_graph_forward_and_backward():
     assert phases == {"forward", "backward"}
     modules = {site[0] for site in guard._ledger.sites_seen}
     assert modules == {"fc1", "fc2"}  # sites from the module stack dynamo traced
+
+
+def test_sites_of_a_compiled_sequential_are_its_module_paths():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    compiled = torch.compile(model, backend="aot_eager")
+    with sdc_guard.protect(compiled) as guard:
+        mlp_step(compiled, torch.randn(4, 16))
+    assert {site[0] for site in guard._ledger.sites_seen} == {"0", "2"}  # dynamo calls the root "fn" here
 
 
 def test_explain_counts_one_graph_and_no_break_and_the_checks_inside_it():
@@ -195,7 +204,7 @@ def test_transient_fault_on_compiled_gpt_is_recomputed_to_the_clean_run():
     for a, b in zip(clean.parameters(), faulted.parameters()):
         assert torch.equal(a, b)  # the run went on bit-identical to the clean one
     # a finished drill leaves no injection point behind (it would corrupt later compiled runs)
-    assert function_mode._local.drills == ()
+    assert graph_checks.active_drills() == ()
 
 
 @pytest.mark.slow  # a whole model through torch.compile (10-30 s): see CONTRIBUTING.md
@@ -232,6 +241,19 @@ def test_inductor_compiled_mlp_is_checked_and_a_fault_caught():
     assert (clean.seen, clean.verified, clean.flagged) == (5, 5, 0)
     assert hit.flagged == 1 and hit.detections[0].site == "fc2" and hit.detections[0].phase == "backward"
     assert not counters["graph_break"]
+
+
+def test_drill_without_a_site_hits_the_in_graph_check_not_the_aten_op():
+    # dynamo runs compiled code with the function-mode stack empty: the drill must still
+    # leave the graph's aten GEMMs alone and corrupt at the check, with the traced site
+    torch.manual_seed(0)
+    model = MLP()
+    compiled = torch.compile(model, backend="aot_eager")
+    with drill(compiled, GemmFault(phase="backward", sticky=True)) as injector, sdc_guard.protect(compiled) as guard:
+        mlp_step(compiled, torch.randn(4, 16))
+    sites = [(i.site, i.phase) for i in injector.injections]
+    assert sites == [("fc2", "backward"), ("fc2", "backward"), ("fc1", "backward")]  # once per checked GEMM
+    assert {d.site for d in guard.last_report.detections} == {"fc1", "fc2"}
 
 
 def test_compiled_argument_is_checked():

@@ -176,6 +176,54 @@ def _overrideable(args: tuple, kwargs: dict, out: Any) -> AttentionCall:
                  kwargs.get("scale"), out[0], square_causal_only=True)
 
 
+#: ``torch._fused_sdp_choice`` (``torch.nn.attention.SDPBackend``) -> the kernel's name here;
+#: math (0) is not a fused kernel: its GEMMs run inside the one call the compiled route sees
+FUSED_CHOICES = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+#: the kernels whose causal alignment is not PyTorch's top-left for ``L != S`` (as above)
+_SQUARE_CAUSAL_ONLY = ("flash", "cudnn", "overrideable")
+
+
+def chosen_kernel(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float, causal: bool,
+                  scale: float | None, gqa: bool) -> str:
+    """The kernel ``F.scaled_dot_product_attention`` runs for these operands, as the
+    dispatcher chooses it (``torch._fused_sdp_choice``: metadata only, no host sync);
+    ``flash_cpu`` for flash on the host, ``choice<N>`` for a choice this does not know."""
+    extra = {"enable_gqa": True} if gqa else {}
+    choice = int(torch._fused_sdp_choice(q, k, v, mask, dropout, causal, scale=scale, **extra))
+    name = FUSED_CHOICES.get(choice, f"choice{choice}")
+    return "flash_cpu" if name == "flash" and q.device.type == "cpu" else name
+
+
+def function_call(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout: float, causal: bool,
+                  scale: float | None, gqa: bool, out: Tensor, grad_out: Tensor | None = None,
+                  grads: tuple[Tensor, Tensor, Tensor] | None = None) -> AttentionCall:
+    """An SDPA call seen whole, at the level of ``F.scaled_dot_product_attention`` (the
+    compiled route, ``sdc_guard.runtime.function_attention``): the operands as the kernel
+    reads them (after autocast's casts), the user's mask (a boolean one means what the
+    kernel's converted ``-inf`` mask means), the forward's ``out`` and, for the backward,
+    ``grad_out`` and ``grads``. Verified when the dispatcher's kernel is a fused one the
+    screen models, with the aten handlers' reasons; the math kernel is counted
+    (``math[unfused]``): its GEMMs run inside the call. Grouped-query attention is
+    verified on the CPU flash kernel (measured: it groups the heads itself, as the screen
+    models); elsewhere it is counted (``[gqa]``) until measured on the device."""
+    op = FORWARD_OP if grads is None else BACKWARD_OP
+    kernel = "unknown"
+    if all(t.dim() == 4 and not t.is_nested for t in (q, k, v)):
+        try:
+            kernel = chosen_kernel(q, k, v, mask, dropout, causal, scale, gqa)
+        except RuntimeError:  # the dispatcher has no choice for these operands
+            pass
+    call = _make(op, kernel, q, k, v, mask, dropout, causal, scale, out, grad_out, grads,
+                 square_causal_only=kernel in _SQUARE_CAUSAL_ONLY)
+    screened = kernel in ("flash_cpu", "flash", "efficient", "cudnn") or (kernel == "overrideable" and grads is None)
+    reason = call.reason
+    if reason is None and not screened:
+        reason = "unfused" if kernel == "math" else "backward" if kernel == "overrideable" else "kernel"
+    elif reason is None and kernel != "flash_cpu" and q.shape[1] != k.shape[1]:
+        reason = "gqa"  # whether these kernels group heads themselves is not measured here
+    return call if reason == call.reason else AttentionCall(op, kernel, None, call.out, reason=reason)
+
+
 AttentionHandler = Callable[[tuple, dict, Any], AttentionCall]
 
 #: aten overload packet -> handler (the ``default`` overload; others stay unverified).

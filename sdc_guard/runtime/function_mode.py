@@ -21,71 +21,32 @@ guards include the function-mode stack, runs the graph it compiled without check
 model compiled under ``protect()`` compiles normally outside it (two cache entries, no
 recompilation after the first of each).
 
-Adding a torch function (SDPA, say) is one entry in ``ROUTES``: a function from the call's
-``(func, args, kwargs)`` to its result that calls ``check_gemm`` (or a check op of its
-own) on what it computed, and that is traceable by dynamo.
+Fused attention (``F.scaled_dot_product_attention``) takes the same way with a check op of
+its own, ``sdc_guard::check_attention`` (``sdc_guard.runtime.function_attention``). Adding a
+torch function is one entry in ``ROUTES``: a function from the call's ``(func, args,
+kwargs)`` to its result that calls ``check_gemm`` (or a check op of its own) on what it
+computed, and that is traceable by dynamo. What the check ops share (this thread's guard
+and drills, the ``CHECKS`` counter, the site of a traced call) is in
+``sdc_guard.runtime.graph_checks``.
 """
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from .intercept import GLOBAL_SITE, Gemm
+from .function_attention import route_sdpa
+from .graph_checks import (  # noqa: F401  (set_sink ... module_path: also importable from here)
+    CHECKS, CheckSink, add_drill, current_sink, module_path, remove_drill, run_drills, set_sink, trace_site,
+    unverified,
+)
+from .ops import Gemm
 
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
-
-
-class CheckSink(Protocol):
-    """What ``check_gemm`` reports to (the ``Guard`` of this thread)."""
-
-    def on_gemm(self, gemm: Gemm, site: str | None = None, phase: str | None = None) -> None: ...
-    def on_unverified(self, op: str) -> None: ...
-    def on_write(self, tensors: list[Tensor]) -> None: ...
-
-
-class _Local(threading.local):
-    sink: CheckSink | None = None
-    #: callables ``(op, out, site, phase)`` that may corrupt ``out`` before it is checked
-    #: (fault drills, ``sdc_guard.runtime.inject``)
-    drills: tuple = ()
-
-
-_local = _Local()
-
-
-def set_sink(sink: CheckSink | None) -> CheckSink | None:
-    """Make ``sink`` receive this thread's in-graph checks; returns the previous one."""
-    previous, _local.sink = _local.sink, sink
-    return previous
-
-
-def current_sink() -> CheckSink | None:
-    """The sink of this thread's checks (``None`` outside a compiled-route ``protect()``)."""
-    return _local.sink
-
-
-def add_drill(drill: Callable[[str, Tensor, str, str], None]) -> None:
-    """Let ``drill(op, out, site, phase)`` corrupt each checked output before its check."""
-    _local.drills = (*_local.drills, drill)
-
-
-def remove_drill(drill: Callable[[str, Tensor, str, str], None]) -> None:
-    """Stop ``drill``. Compared with ``==``: a bound method is a new object at each access,
-    so ``is`` would never match and a finished drill would go on corrupting."""
-    _local.drills = tuple(d for d in _local.drills if d != drill)
-
-
-#: The counter ``check_gemm`` mutates: what keeps it in the graph (a custom op that
-#: returns nothing and writes nothing is dead code to AOT autograd and inductor). Checks
-#: run so far in this process, every thread and device (int64 ``[1]``, on the host: the
-#: checks' own flags stay on the GEMM's device, in the guard's ledger).
-CHECKS = torch.zeros(1, dtype=torch.int64)
 
 
 @torch.library.custom_op("sdc_guard::check_gemm", mutates_args=("flags",), tags=(torch.Tag.cudagraph_unsafe,))
@@ -95,9 +56,8 @@ def check_gemm(a: Tensor, b: Tensor, out: Tensor, bias: Optional[Tensor], alpha:
     ``flags``. Reads its tensors, writes none of them (a drill may corrupt ``out`` first,
     as a faulty unit would). ``site`` empty: not known at trace time (eager frames)."""
     with torch._C.DisableTorchFunction():  # verification's own ops are not the model's
-        for drill in _local.drills:
-            drill(op, out, site, phase)
-        sink = _local.sink
+        run_drills(op, out, site, phase)
+        sink = current_sink()
         if sink is not None:
             sink.on_gemm(Gemm(op, a, b, out, bias, alpha, beta), site or None, phase)
         flags.add_(1)
@@ -107,60 +67,6 @@ def check_gemm(a: Tensor, b: Tensor, out: Tensor, bias: Optional[Tensor], alpha:
 def _check_gemm_fake(a: Tensor, b: Tensor, out: Tensor, bias: Optional[Tensor], alpha: float, beta: float,
                      flags: Tensor, op: str, site: str, phase: str) -> None:
     return None
-
-
-@torch.library.custom_op("sdc_guard::note_unverified", mutates_args=("flags",),
-                         tags=(torch.Tag.cudagraph_unsafe,))
-def note_unverified(flags: Tensor, op: str) -> None:
-    """Count a GEMM-bearing call the route cannot verify (``StepReport.unverified_ops``)."""
-    sink = _local.sink
-    if sink is not None:
-        sink.on_unverified(op)
-
-
-@note_unverified.register_fake
-def _note_unverified_fake(flags: Tensor, op: str) -> None:
-    return None
-
-
-@torch._dynamo.assume_constant_result
-def trace_site() -> str:
-    """The module path of the call being traced, read from dynamo's module stack at trace
-    time (a constant of the graph); ``""`` outside dynamo. Private dynamo state: if it is
-    not where this expects, the site is ``""`` (the guard then says ``"global"``)."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-        tx = InstructionTranslator.current_tx()
-        if tx is None:
-            return ""
-        stack = tx.output.current_tx.nn_module_stack
-    except Exception:
-        return ""
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return module_path(path)
-
-
-def module_path(path: str) -> str:
-    """Dynamo's source name of a module (``L['self'].blocks[0].attn``,
-    ``L['self']._modules['fc1']``) as a ``named_modules`` path (``blocks.0.attn``).
-
-    >>> module_path("L['self'].blocks[0].attn"), module_path("L['self']._modules['fc1']")
-    ('blocks.0.attn', 'fc1')
-    """
-    import re
-    path = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", path)
-    path = re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", path)
-    path = re.sub(r"\[(\d+)\]", r".\1", path)
-    parts = [p for p in path.split(".") if p]
-    if parts and (parts[0].startswith("L") or parts[0] in ("self", "G")):
-        parts = parts[1:]
-    if parts and parts[0] == "self":
-        parts = parts[1:]
-    if parts and parts[0] == "_orig_mod":
-        parts = parts[1:]
-    return ".".join(parts) if parts else ""
 
 
 def _check(a: Tensor, b: Tensor, out: Tensor, op: str, site: str, phase: str, bias: Tensor | None = None,
@@ -319,7 +225,7 @@ def _unrouted(func: Callable, args: tuple, kwargs: dict, op: str) -> Any:
         return func(*args, **kwargs)
     floating = any(isinstance(t, Tensor) and t.is_floating_point() for t in args[:3])
     if floating:
-        torch.ops.sdc_guard.note_unverified(CHECKS, op)
+        unverified(op)
     return func(*args, **kwargs)
 
 
@@ -339,14 +245,14 @@ ROUTES: dict[Callable, Callable[[Callable, tuple, dict], Any]] = {
     Tensor.addmm: _route_addmm("addmm"),
     torch.baddbmm: _route_addmm("baddbmm"),
     Tensor.baddbmm: _route_addmm("baddbmm"),
+    F.scaled_dot_product_attention: route_sdpa,  # = torch._C._nn.scaled_dot_product_attention
 }
 
 #: torch functions that multiply matrices and that the route does not verify: counted in
 #: ``unverified_ops`` under these names (their GEMMs run inside one fused call).
 UNVERIFIED_FUNCTIONS: dict[Callable, str] = {
     f: name for name, f in (
-        ("einsum", torch.einsum), ("tensordot", torch.tensordot), ("bilinear", F.bilinear),
-        ("scaled_dot_product_attention", F.scaled_dot_product_attention), ("conv1d", F.conv1d),
+        ("einsum", torch.einsum), ("tensordot", torch.tensordot), ("bilinear", F.bilinear), ("conv1d", F.conv1d),
         ("conv2d", F.conv2d), ("conv3d", F.conv3d), ("addmv", torch.addmv), ("mv", torch.mv),
         ("addbmm", torch.addbmm), ("dot", torch.dot), ("vdot", torch.vdot),
         ("multi_dot", torch.linalg.multi_dot), ("chain_matmul", torch.chain_matmul),
@@ -372,7 +278,7 @@ class GemmFunctionMode(TorchFunctionMode):
             return route(func, args, kwargs)
         name = UNVERIFIED_FUNCTIONS.get(func)
         if name is not None:
-            torch.ops.sdc_guard.note_unverified(CHECKS, name)
+            unverified(name)
         return func(*args, **kwargs)
 
 

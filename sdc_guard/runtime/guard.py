@@ -483,24 +483,28 @@ class Guard:
         shape = (*gemm.out.shape[:-2], gemm.a.shape[-2], gemm.a.shape[-1], gemm.b.shape[-1])
         self._ledger.record(Pending(site, kind, call_index, shape, gemm.a.dtype, sdc, summary), elapsed)
 
-    def on_attention(self, call: AttentionCall) -> None:
-        """Called by the dispatch mode for every fused attention call (``sdpa`` forward,
-        ``sdpa_backward``): counted, sampled and verified like a GEMM, at the site of the
-        module that ran it (sdc_guard.runtime.attention, docs/ATTENTION.md)."""
+    def on_attention(self, call: AttentionCall, site: str | None = None, phase: str | None = None) -> None:
+        """Called by the dispatch mode (or the compiled route's ``check_attention``, with the
+        site and phase it knew at trace time) for every fused attention call (``sdpa``
+        forward, ``sdpa_backward``): counted, sampled and verified like a GEMM, at the site
+        of the module that ran it (sdc_guard.runtime.attention, docs/ATTENTION.md)."""
         if not self._watching:
             return
         started = time.perf_counter()
         try:
-            phase = current_phase()
+            phase = phase or current_phase()
+            ops = call.operands
+            where = site if site is not None or ops is None else self._sites.site(call.site_tensor, (ops.q, ops.k, ops.v))
+            if where == GLOBAL_SITE and not self.owns_outside_gemm():
+                return  # another guarded model's call
             kind: KindKey = (call.op, phase, str(call.dtype).removeprefix("torch.") if call.out is not None else "?")
             call_index = self._ledger.see(kind)
-            if call.operands is None:
+            if ops is None or where is None:
                 self.on_unverified(f"{call.kernel}[{call.reason}]")
                 return
-            ops = call.operands
-            site: SiteKey = (self._sites.site(call.site_tensor, (ops.q, ops.k, ops.v)), phase, call.op)
-            self._ledger.sites_seen.add(site)
-            if self._attempt == 0 and not self.sampler.should_verify(site):
+            site_key: SiteKey = (where, phase, call.op)
+            self._ledger.sites_seen.add(site_key)
+            if self._attempt == 0 and not self.sampler.should_verify(site_key):
                 return
             device = call.site_tensor.device
             began = self._ledger.clock.start(device)
@@ -513,7 +517,7 @@ class Guard:
                 self.on_unverified(call.kernel)
                 return
             elapsed = self._ledger.clock.stop(device, began)
-            self._ledger.record(Pending(site, kind, call_index, call.shape, call.dtype, sdc, summary), elapsed)
+            self._ledger.record(Pending(site_key, kind, call_index, call.shape, call.dtype, sdc, summary), elapsed)
         finally:
             self._ledger.hook_seconds += time.perf_counter() - started
 

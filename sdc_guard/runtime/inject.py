@@ -29,7 +29,8 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
 from .attention import ATTENTION_HANDLERS, BACKWARD_OP, FORWARD_OP, fault_target, op_name
-from .function_mode import add_drill, function_mode_active, remove_drill
+from .function_mode import function_mode_active
+from .graph_checks import add_drill, current_sink, remove_drill
 from .schedule import current_step
 from .intercept import GEMM_HANDLERS, GLOBAL_SITE, GemmInterceptor, SiteTracker, current_phase
 from .ops import Route, RoutingMode
@@ -227,8 +228,11 @@ class FaultInjector(RoutingMode):
         """Routed like the guard's mode (``sdc_guard.runtime.ops``): the GEMMs inside composite
         ops and the eager bodies of ``torch.cond`` and flex attention are drilled too, and
         fused attention kernels (``op="sdpa"`` / ``"sdpa_backward"``). On the compiled route
-        the drill corrupts at the in-graph check instead (``_at_check``)."""
-        if function_mode_active():
+        the drill corrupts at the in-graph check instead (``_at_check``): while a
+        compiled-route guard collects this thread's checks, aten ops are left alone. (The
+        function mode alone does not say so: dynamo runs compiled code with the
+        function-mode stack empty, and the aten ops of the graph then reach this mode.)"""
+        if function_mode_active() or current_sink() is not None:
             return
         if route is Route.GEMM and isinstance(out, Tensor) and out.dtype in _INT_VIEW:
             self._maybe_corrupt(str(func.overloadpacket).split(".")[-1], out, args)
@@ -247,12 +251,22 @@ class FaultInjector(RoutingMode):
             if target is not None and target.dtype in _INT_VIEW:
                 self._maybe_corrupt(op, target, args, only=fault)
 
-    def _at_check(self, op: str, out: Tensor, site: str, phase: str) -> None:
-        """The compiled route's injection point (``function_mode.check_gemm``): corrupt
-        ``out`` in place just before the in-graph check reads it, as a faulty unit would
-        have written it; ``site`` and ``phase`` are those the graph was traced with."""
-        if out.dtype in _INT_VIEW:
-            self._maybe_corrupt(op, out, (), site=site or GLOBAL_SITE, phase=phase)
+    def _at_check(self, op: str, out: Any, site: str, phase: str) -> None:
+        """The compiled route's injection point (``check_gemm``, ``check_attention``):
+        corrupt ``out`` in place just before the in-graph check reads it, as a faulty unit
+        would have written it; ``site`` and ``phase`` are those the graph was traced with.
+        For ``sdpa_backward`` ``out`` is ``(grad_query, grad_key, grad_value)``, and each
+        fault picks one by its ``output``, as on the eager route."""
+        site = site or GLOBAL_SITE
+        if op in (FORWARD_OP, BACKWARD_OP):
+            for fault in self.faults:
+                if fault.op != op:
+                    continue
+                target = out if op == FORWARD_OP else out[fault.output or 0]
+                if isinstance(target, Tensor) and target.numel() and target.dtype in _INT_VIEW:
+                    self._maybe_corrupt(op, target, (), site=site, phase=phase, only=fault)
+        elif out.dtype in _INT_VIEW:
+            self._maybe_corrupt(op, out, (), site=site, phase=phase)
 
     def _maybe_corrupt(self, op: str, out: Tensor, args: tuple, *, site: str | None = None,
                        phase: str | None = None, only: GemmFault | None = None) -> None:

@@ -52,7 +52,7 @@ class Workload:
 def build(name: str, seed: int = 0, attn: str = "eager") -> Workload:
     """The workload called ``name`` (see the module docstring), weights drawn from ``seed``;
     ``attn`` the ``transformers`` attention implementation ("eager": plain matmuls,
-    verified; "sdpa": fused, counted unverified)."""
+    verified as GEMMs; "sdpa": fused, verified by the attention screen)."""
     kind, _, spec = name.partition(":")
     if kind == "toy":
         return _toy(name, spec, seed)
