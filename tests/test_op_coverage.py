@@ -237,6 +237,27 @@ def test_hops_compile_once_and_leave_no_trace():
     assert counters["frames"]["ok"] >= 1 and not counters["graph_break"]
 
 
+def test_out_overloads_are_verified():
+    """``out=`` GEMMs (a user's, and what a compiled graph's extern GEMM kernels call) are
+    verified like the plain call; a fault in one is caught."""
+    torch.manual_seed(0)
+    model = nn.Linear(2, 2)
+    a, b, bias = torch.randn(8, 16), torch.randn(16, 4), torch.randn(4)
+    a3, b3 = torch.randn(2, 8, 16), torch.randn(2, 16, 4)
+    out, out3 = torch.empty(8, 4), torch.empty(2, 8, 4)
+    with sdc_guard.protect(model) as guard:
+        torch.mm(a, b, out=out)
+        torch.addmm(bias, a, b, out=out)
+        torch.bmm(a3, b3, out=out3)
+        torch.baddbmm(out3.clone(), a3, b3, out=out3)
+    assert torch.equal(out3, torch.baddbmm(torch.bmm(a3, b3), a3, b3))
+    r = guard.last_report
+    assert (r.seen, r.verified, r.unverified_ops) == (4, 4, {})
+    with drill(model, GemmFault(op="mm")) as faults, sdc_guard.protect(model) as guard:
+        torch.mm(a, b, out=out)
+    assert faults.injections[0].changed and guard.last_report.detections
+
+
 def test_unknown_hop_runs_and_is_counted():
     from torch._higher_order_ops.scan import scan
     torch.manual_seed(0)

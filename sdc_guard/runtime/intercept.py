@@ -31,6 +31,7 @@ from .hops import ModuleRef, branch_modules
 from .site_hooks import SlotHooks
 from .ops import (  # noqa: F401  (the registry's former home: these names stay importable here)
     ATTENTION_OPS, GEMM_HANDLERS, UNVERIFIED_GEMM_OPS, Gemm, Handler, Route, RoutingMode, defer_to_dtensor,
+    gemm_overloads,
     on_fake_tensors,
 )
 
@@ -307,7 +308,8 @@ class GemmInterceptor(RoutingMode):
         super().__init__(sites)
         self.sink = sink
         # Built per activation, so a handler added to GEMM_HANDLERS since is seen.
-        self._handlers = {id(packet.default): handler for packet, handler in GEMM_HANDLERS.items()}
+        self._handlers = {id(overload): handler for packet, handler in GEMM_HANDLERS.items()
+                          for overload in gemm_overloads(packet)}
         # fused attention: one handler per SDPA kernel (sdc_guard.runtime.attention)
         self._attention = {id(packet.default): handler for packet, handler in ATTENTION_HANDLERS.items()}
         self._writes: dict[int, tuple[tuple[int, str], ...]] = {}  #: per overload, what it writes

@@ -115,6 +115,14 @@ GEMM_HANDLERS: dict[Any, Handler] = {
 }
 
 
+def gemm_overloads(packet: Any) -> tuple[Any, ...]:
+    """The overloads of a GEMM packet its handler reads: ``default`` and ``out`` (the
+    product written into ``out=``, which the call returns: what a compiled graph's extern
+    GEMM kernels call, and a user's ``torch.mm(a, b, out=c)``)."""
+    out = getattr(packet, "out", None)
+    return (packet.default,) if out is None else (packet.default, out)
+
+
 def _packets(*names: str) -> frozenset[Any]:
     """The aten packets of ``names`` this torch build has (older builds lack some)."""
     return frozenset(getattr(aten, name) for name in names if hasattr(aten, name))
@@ -169,8 +177,8 @@ def route_of(func: Any) -> Route:
     """The route of aten overload ``func`` (looked up once per overload by the modes)."""
     packet = func.overloadpacket
     if packet in GEMM_HANDLERS:
-        # other overloads (``out=``, ``dtype``): their output is not the handler's
-        return Route.GEMM if func is packet.default else Route.UNVERIFIED
+        # the ``dtype`` overloads (a product in another dtype than its operands): counted
+        return Route.GEMM if any(func is o for o in gemm_overloads(packet)) else Route.UNVERIFIED
     if packet in ATTENTION_OPS:
         return Route.ATTENTION
     if packet in UNVERIFIED_GEMM_OPS:
