@@ -24,6 +24,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import Tensor
 from torch import nn
+from torch.compiler import is_compiling
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .attention import ATTENTION_HANDLERS, AttentionCall
@@ -108,7 +109,7 @@ class SiteTracker:
 
     def _pusher(self, name: str) -> Callable[..., None]:
         def push(module: nn.Module, args: Any) -> None:
-            if torch.compiler.is_compiling():  # traced: no side effect (class doc)
+            if is_compiling():  # traced: no side effect (class doc)
                 return
             self.calls += 1
             self._thread_stack().append(name)
@@ -119,7 +120,7 @@ class SiteTracker:
         return self._stacks.setdefault(threading.get_ident(), [])
 
     def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling():
+        if is_compiling():
             return
         stack = self._thread_stack()
         if stack:
@@ -228,13 +229,13 @@ _module_hook: list[float] = []
 def module_hook_seconds() -> float:
     """What the site tracker's pair of forward hooks adds to one module call on this
     machine, in seconds: measured once per process (an ``nn.Identity`` called 300 times
-    bare and 300 times with a pre-hook and an always-called post-hook like the tracker's,
-    the difference of the medians). A module with hooks leaves ``nn.Module``'s fast call
-    path, which costs more than the hooks' own bodies; the guard charges this per module
-    call it tracked (``SiteTracker.calls``)."""
+    bare and 300 times with a site tracker's hooks on it, the difference of the
+    medians). A module with hooks leaves ``nn.Module``'s fast call path, which costs more
+    than the hooks' own bodies; the guard charges this per module call it tracked
+    (``SiteTracker.calls``)."""
     if not _module_hook:
         module, x = nn.Identity(), torch.ones(16)
-        stack: list[str] = []
+        tracker = SiteTracker(module)
 
         def median_call() -> float:
             times = []
@@ -246,13 +247,11 @@ def module_hook_seconds() -> float:
             return times[len(times) // 2]
 
         bare = median_call()
-        handles = [module.register_forward_pre_hook(lambda m, a: stack.append("m")),
-                   module.register_forward_hook(lambda m, a, o: stack.pop() if stack else None, always_call=True)]
+        tracker.start()
         try:
             hooked = median_call()
         finally:
-            for handle in handles:
-                handle.remove()
+            tracker.stop()
         _module_hook.append(max(0.0, hooked - bare))
     return _module_hook[0]
 
