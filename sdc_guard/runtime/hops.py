@@ -168,10 +168,10 @@ def reentered(mode: TorchDispatchMode) -> Iterator[None]:
 def _trackers(mode: TorchDispatchMode) -> list[BranchSites]:
     """The site trackers of ``mode`` and of the modes below it on this thread (a drill
     under the guard): each labels with its own key."""
-    found = []
+    found: list[BranchSites] = []
     for m in (mode, *_get_current_dispatch_mode_stack()):
-        sites = getattr(m, "sites", None)
-        if sites is not None and all(sites is not s for s in found):
+        sites = getattr(m, "sites", None)  # another library's mode may have none, or another kind
+        if callable(getattr(sites, "label_outputs", None)) and all(sites is not s for s in found):
             found.append(sites)
     return found
 
