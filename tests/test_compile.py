@@ -266,6 +266,33 @@ def test_compiled_argument_is_checked():
     assert sdc_guard.protect(model).compiled
 
 
+def test_dispatch_route_runs_new_frames_eagerly_and_cached_code_compiled():
+    """``protect(compiled=False)`` (docs/COMPILE.md, "The dispatch route and compiled
+    code"): code dynamo compiled before the block runs compiled inside it, the dispatch mode
+    verifying the GEMMs that code calls (sites: the module it was called from, ``global``
+    in the backward); a frame dynamo has not compiled runs eagerly, every GEMM verified at
+    its module."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    warm = torch.compile(MLP(), backend="aot_eager")
+    mlp_step(warm, x)
+    with sdc_guard.protect(warm, compiled=False) as guard:
+        mlp_step(warm, x)
+    report = guard.last_report
+    assert not guard.compiled and (report.seen, report.verified, report.unverified_ops) == (5, 5, {})
+    assert counters["frames"]["ok"] == 1 and graphs() == 1  # the cached graph ran: not compiled again
+    assert {site for site, _, _ in guard._ledger.sites_seen} == {"_orig_mod", "global"}
+    torch._dynamo.reset()
+    counters.clear()
+    cold = torch.compile(MLP(), backend="aot_eager")
+    with sdc_guard.protect(cold, compiled=False) as guard:
+        mlp_step(cold, x)
+    report = guard.last_report
+    assert (report.seen, report.verified, report.unverified_ops) == (5, 5, {})
+    assert not counters["frames"]["ok"]  # nothing compiled inside the block: it ran eagerly
+    assert {site for site, _, _ in guard._ledger.sites_seen} == {"_orig_mod.fc1", "_orig_mod.fc2"}
+
+
 @pytest.mark.slow  # a whole model through torch.compile (10-30 s): see CONTRIBUTING.md
 def test_compiled_transformers_gpt2_with_a_fault_drill():
     from hf_models import gpt2

@@ -360,7 +360,7 @@ class Guard:
                 self._mode = GemmFunctionMode()
                 self._previous_sink = set_sink(self)
             else:
-                self._mode = GemmInterceptor(self)
+                self._mode = GemmInterceptor(self, self._sites)
             self._mode.__enter__()
         elif not wanted and self._mode is not None and (
                 not self._active or self._mode in (_get_current_dispatch_mode(), _get_current_function_mode())):

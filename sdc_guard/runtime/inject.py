@@ -177,9 +177,9 @@ class FaultInjector(RoutingMode):
     """
 
     def __init__(self, model: nn.Module, *faults: GemmFault, seed: int = 0) -> None:
-        super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        super().__init__(SiteTracker(model))
         for f in faults:
             if not isinstance(f, GemmFault):
                 raise TypeError(f"faults: expected GemmFault objects, got {type(f).__name__}")
@@ -189,7 +189,7 @@ class FaultInjector(RoutingMode):
         self.faults = list(faults)
         self.injections: list[Injection] = []
         self._rng = random.Random(seed)
-        self._sites = SiteTracker(model)
+        self._sites: SiteTracker = self.sites  # type: ignore[assignment]
         self._spent: set[int] = set()  #: indices of non-sticky faults already fired
         self._counts: dict[int, int] = {}
         self._count_step = -1

@@ -24,11 +24,15 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import Tensor
 from torch import nn
+from torch.compiler import is_compiling
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .attention import ATTENTION_HANDLERS, AttentionCall
+from .hops import ModuleRef, branch_modules
+from .site_hooks import SlotHooks
 from .ops import (  # noqa: F401  (the registry's former home: these names stay importable here)
     ATTENTION_OPS, GEMM_HANDLERS, UNVERIFIED_GEMM_OPS, Gemm, Handler, Route, RoutingMode, defer_to_dtensor,
+    gemm_overloads,
     on_fake_tensors,
 )
 
@@ -63,6 +67,14 @@ class SiteTracker:
     Module hooks fire on every thread that calls the model, so the stack of running
     modules is kept per thread: two guards on one shared model in two threads (each
     guard's dispatch mode sees only its own thread) never see each other's modules.
+
+    Higher-order ops (``runtime/hops.py``): the hooks do nothing while dynamo traces (a
+    write to the stack inside a traced ``torch.cond`` branch is a side effect dynamo
+    refuses there; a compiled frame's sites are known at trace time anyway). A captured
+    HOP body runs without module calls, publishing the modules each of its nodes came from
+    (``hops.branch_modules``): the innermost of them that belongs to the model is the site.
+    The GEMMs of a ``cond``'s backward take the site of the module that called it
+    (``label_outputs``).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -70,8 +82,10 @@ class SiteTracker:
         self._key = f"sdc_guard.site.{id(self)}"  #: node metadata key (one per tracker)
         self._stack: list[str] = []  #: running modules on the thread that called ``start``
         self._stacks: dict[int, list[str]] = {}  #: running modules, per thread
-        self._hooks: list[Any] = []
+        self._hooks: list[SlotHooks] = []  #: same keys every step (``runtime/site_hooks.py``)
         self._pending: list[tuple[Tensor, str]] = []  #: forward outputs awaiting their grad_fn
+        self._pending_hop: list[tuple[Tensor, str]] = []  #: HOP outputs awaiting theirs (``label_outputs``)
+        self._paths: dict[int, tuple[str, type]] = {}  #: id of each module -> (site, class)
         self.calls = 0  #: module calls that ran the hooks (each paid ``module_hook_seconds``)
 
     def start(self) -> None:
@@ -80,8 +94,8 @@ class SiteTracker:
         self._stacks[threading.get_ident()] = self._stack
         root = type(self.model).__name__
         for name, module in self.model.named_modules():
-            self._hooks.append(module.register_forward_pre_hook(self._pusher(name or root)))
-            self._hooks.append(module.register_forward_hook(self._pop, always_call=True))
+            self._paths[id(module)] = (name or root, type(module))
+            self._hooks.append(SlotHooks(module, self._pusher(name or root), self._pop))
 
     def stop(self) -> None:
         for handle in self._hooks:
@@ -90,22 +104,24 @@ class SiteTracker:
         self._stack.clear()
         self._stacks.clear()
         self._pending.clear()
+        self._pending_hop.clear()
+        self._paths.clear()
 
     def _pusher(self, name: str) -> Callable[..., None]:
         def push(module: nn.Module, args: Any) -> None:
+            if is_compiling():  # traced: no side effect (class doc)
+                return
             self.calls += 1
             self._thread_stack().append(name)
         return push
 
     def _thread_stack(self) -> list[str]:
-        """The calling thread's stack. In a frame dynamo traces, the starting thread's:
-        dynamo cannot trace ``threading.get_ident`` without a graph break, and a
-        compiled frame's sites are known at trace time anyway."""
-        if torch.compiler.is_compiling():
-            return self._stack
+        """The calling thread's stack."""
         return self._stacks.setdefault(threading.get_ident(), [])
 
     def _pop(self, module: nn.Module, args: Any, output: Any) -> None:
+        if is_compiling():
+            return
         stack = self._thread_stack()
         if stack:
             stack.pop()
@@ -117,13 +133,39 @@ class SiteTracker:
             if node is not None:
                 node.metadata[self._key] = site
         self._pending.clear()
+        for out, site in self._pending_hop:  # never over a GEMM's own label
+            node = out.grad_fn
+            if node is not None:
+                node.metadata.setdefault(self._key, site)
+        self._pending_hop.clear()
+
+    def _branch_site(self, modules: tuple[ModuleRef, ...]) -> str | None:
+        """The innermost of a captured HOP node's modules that belongs to the model."""
+        for ident, cls in reversed(modules):
+            known = self._paths.get(ident)
+            if known is not None and (cls is None or known[1] is cls):
+                return known[0]
+        return None
+
+    def label_outputs(self, outputs: Any) -> None:
+        """Give the autograd node that will own ``outputs`` (a ``cond`` run under autograd:
+        its autograd function attaches the node once they are returned) the site of the
+        running module, for the GEMMs of its backward."""
+        stack = self._stacks.get(threading.get_ident())
+        site = self._branch_site(branch_modules()) or (stack[-1] if stack else GLOBAL_SITE)
+        for out in outputs if isinstance(outputs, (list, tuple)) else (outputs,):
+            if isinstance(out, Tensor):
+                self._pending_hop.append((out, site))
 
     def inside(self) -> bool:
         """Whether the GEMM running now on this thread is the model's: inside one of its
         modules' forward, or in the backward of one of its forward GEMMs."""
-        if self._pending:
+        if self._pending or self._pending_hop:
             self._label_pending()
         if self._stacks.get(threading.get_ident()):
+            return True
+        modules = branch_modules()
+        if modules and self._branch_site(modules) is not None:
             return True
         if torch._C._current_graph_task_id() == -1:
             return False
@@ -132,14 +174,17 @@ class SiteTracker:
 
     def site(self, out: Tensor, operands: tuple[Tensor, ...]) -> str:
         """The site of the GEMM that produced ``out`` from ``operands`` (see the class doc)."""
-        if self._pending:
+        if self._pending or self._pending_hop:
             self._label_pending()
-        stack = self._stacks.get(threading.get_ident())
-        if not stack and torch._C._current_graph_task_id() != -1:  # a backward GEMM
-            node = torch._C._current_autograd_node()
-            return node.metadata.get(self._key, GLOBAL_SITE) if node is not None else GLOBAL_SITE
-        # a forward, or one recomputed by activation checkpointing during backward
-        site = stack[-1] if stack else GLOBAL_SITE
+        modules = branch_modules()
+        site = self._branch_site(modules) if modules else None  # a node of a captured HOP body
+        if site is None:
+            stack = self._stacks.get(threading.get_ident())
+            if not stack and torch._C._current_graph_task_id() != -1:  # a backward GEMM
+                node = torch._C._current_autograd_node()
+                return node.metadata.get(self._key, GLOBAL_SITE) if node is not None else GLOBAL_SITE
+            # a forward, or one recomputed by activation checkpointing during backward
+            site = stack[-1] if stack else GLOBAL_SITE
         if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
             self._pending.append((out, site))
         return site
@@ -184,13 +229,13 @@ _module_hook: list[float] = []
 def module_hook_seconds() -> float:
     """What the site tracker's pair of forward hooks adds to one module call on this
     machine, in seconds: measured once per process (an ``nn.Identity`` called 300 times
-    bare and 300 times with a pre-hook and an always-called post-hook like the tracker's,
-    the difference of the medians). A module with hooks leaves ``nn.Module``'s fast call
-    path, which costs more than the hooks' own bodies; the guard charges this per module
-    call it tracked (``SiteTracker.calls``)."""
+    bare and 300 times with a site tracker's hooks on it, the difference of the
+    medians). A module with hooks leaves ``nn.Module``'s fast call path, which costs more
+    than the hooks' own bodies; the guard charges this per module call it tracked
+    (``SiteTracker.calls``)."""
     if not _module_hook:
         module, x = nn.Identity(), torch.ones(16)
-        stack: list[str] = []
+        tracker = SiteTracker(module)
 
         def median_call() -> float:
             times = []
@@ -202,13 +247,11 @@ def module_hook_seconds() -> float:
             return times[len(times) // 2]
 
         bare = median_call()
-        handles = [module.register_forward_pre_hook(lambda m, a: stack.append("m")),
-                   module.register_forward_hook(lambda m, a, o: stack.pop() if stack else None, always_call=True)]
+        tracker.start()
         try:
             hooked = median_call()
         finally:
-            for handle in handles:
-                handle.remove()
+            tracker.stop()
         _module_hook.append(max(0.0, hooked - bare))
     return _module_hook[0]
 
@@ -260,11 +303,12 @@ class GemmInterceptor(RoutingMode):
     ['mm']
     """
 
-    def __init__(self, sink: GemmSink) -> None:
-        super().__init__()
+    def __init__(self, sink: GemmSink, sites: SiteTracker | None = None) -> None:
+        super().__init__(sites)
         self.sink = sink
         # Built per activation, so a handler added to GEMM_HANDLERS since is seen.
-        self._handlers = {id(packet.default): handler for packet, handler in GEMM_HANDLERS.items()}
+        self._handlers = {id(overload): handler for packet, handler in GEMM_HANDLERS.items()
+                          for overload in gemm_overloads(packet)}
         # fused attention: one handler per SDPA kernel (sdc_guard.runtime.attention)
         self._attention = {id(packet.default): handler for packet, handler in ATTENTION_HANDLERS.items()}
         self._writes: dict[int, tuple[tuple[int, str], ...]] = {}  #: per overload, what it writes

@@ -22,25 +22,30 @@ Every op is given one :class:`Route`, once per overload:
   that same kernel with the mode on, so the mode sees what it sees under autograd.
 - ``PLAIN``: everything else; run and passed through.
 
-Higher-order ops (HOPs) are routed by name (:data:`HOP_BODIES`): ``cond`` runs its taken
-branch, ``while_loop`` and ``flex_attention`` (and its backward) their eager kernel, with
-the mode on, so the GEMMs inside are seen; any other HOP is run with the mode off and
-counted as ``higher_order.<name>``. No op, known or not, makes the mode raise.
+Higher-order ops (HOPs) are routed by name (:data:`HOP_BODIES`, ``runtime/hops.py``):
+``cond`` runs its taken branch, ``while_loop`` and ``flex_attention`` (and its backward)
+their eager kernel, with the mode on, so the GEMMs inside are seen; any other HOP is run
+with the mode off and counted as ``higher_order.<name>``. No op, known or not, makes the
+mode raise; the mode is invisible to dynamo while torch compiles a HOP's eager wrapper
+(:meth:`RoutingMode.ignore_compile_internals`).
 """
 
 from __future__ import annotations
 
 import enum
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 from torch._C import DispatchKey
 from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from .hops import (  # noqa: F401  (reentered: its former home is here)
+    HOP_BODIES, BranchSites, entering, hidden_from_dynamo, reentered,
+)
 
 aten = torch.ops.aten
 
@@ -110,6 +115,14 @@ GEMM_HANDLERS: dict[Any, Handler] = {
 }
 
 
+def gemm_overloads(packet: Any) -> tuple[Any, ...]:
+    """The overloads of a GEMM packet its handler reads: ``default`` and ``out`` (the
+    product written into ``out=``, which the call returns: what a compiled graph's extern
+    GEMM kernels call, and a user's ``torch.mm(a, b, out=c)``)."""
+    out = getattr(packet, "out", None)
+    return (packet.default,) if out is None else (packet.default, out)
+
+
 def _packets(*names: str) -> frozenset[Any]:
     """The aten packets of ``names`` this torch build has (older builds lack some)."""
     return frozenset(getattr(aten, name) for name in names if hasattr(aten, name))
@@ -164,8 +177,8 @@ def route_of(func: Any) -> Route:
     """The route of aten overload ``func`` (looked up once per overload by the modes)."""
     packet = func.overloadpacket
     if packet in GEMM_HANDLERS:
-        # other overloads (``out=``, ``dtype``): their output is not the handler's
-        return Route.GEMM if func is packet.default else Route.UNVERIFIED
+        # the ``dtype`` overloads (a product in another dtype than its operands): counted
+        return Route.GEMM if any(func is o for o in gemm_overloads(packet)) else Route.UNVERIFIED
     if packet in ATTENTION_OPS:
         return Route.ATTENTION
     if packet in UNVERIFIED_GEMM_OPS:
@@ -201,46 +214,6 @@ def redispatch_below_python(func: Any, args: tuple, kwargs: dict) -> Any:
     return func.redispatch(keys & torch._C._dispatch_keyset_full_after(DispatchKey.Python), *args, **kwargs)
 
 
-@contextmanager
-def reentered(mode: TorchDispatchMode) -> Iterator[None]:
-    """Push ``mode`` again while its own ``__torch_dispatch__`` runs (PyTorch pops a mode
-    for its handler), without the subclass's ``__enter__``/``__exit__`` (a drill's starts and
-    stops its site hooks)."""
-    TorchDispatchMode.__enter__(mode)
-    try:
-        yield
-    finally:
-        TorchDispatchMode.__exit__(mode, None, None, None)
-
-
-def _cond_body(mode: TorchDispatchMode, args: tuple, kwargs: dict) -> Any:
-    """``torch.cond``: run the branch taken, with the mode on (its dense kernel refuses to
-    run under a mode; ``FlopCounterMode`` runs the branches itself too). The predicate is
-    read on the host, as the dense kernel does."""
-    pred, true_fn, false_fn, operands = args
-    with reentered(mode):
-        return true_fn(*operands) if pred else false_fn(*operands)
-
-
-def _dense_body(mode: TorchDispatchMode, func: HigherOrderOperator, args: tuple, kwargs: dict) -> Any:
-    """A HOP whose eager (``CompositeExplicitAutograd``) kernel runs its body in Python:
-    run that kernel with the mode on."""
-    kernel = func.py_kernels[DispatchKey.CompositeExplicitAutograd]
-    with reentered(mode):
-        return kernel(*args, **kwargs)
-
-
-#: HOP name -> how its body is run with the mode on. The eager kernels of the others
-#: (``scan``, ``invoke_subgraph``, ...) refuse a mode, or run compiled code: they are run
-#: with the mode off and counted.
-HOP_BODIES: dict[str, Callable[[TorchDispatchMode, HigherOrderOperator, tuple, dict], Any]] = {
-    "cond": lambda mode, func, args, kwargs: _cond_body(mode, args, kwargs),
-    "while_loop": _dense_body,
-    "flex_attention": _dense_body,
-    "flex_attention_backward": _dense_body,
-}
-
-
 def defer_to_dtensor(types: Any) -> bool:
     """Whether a dispatch mode should hand this call to ``DTensor`` (return
     ``NotImplemented``): one of its arguments is a ``DTensor`` (tensor parallelism, FSDP2's
@@ -270,13 +243,31 @@ class RoutingMode(TorchDispatchMode):
     every op by :func:`route_of` and every HOP by :data:`HOP_BODIES`, and hands each op it
     runs itself to :meth:`after` (``Route.GEMM`` and ``Route.ATTENTION`` included).
 
-    ``ops`` counts the ops that paid the mode's Python round trip.
+    ``ops`` counts the ops that paid the mode's Python round trip; ``sites`` is the mode's
+    site tracker (``intercept.SiteTracker``), which labels the outputs of a ``cond`` run
+    under autograd for its backward (``runtime/hops.py``), or ``None``.
     """
 
     supports_higher_order_operators = True
 
-    def __init__(self) -> None:
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Whether dynamo may look past this mode (``runtime/hops.py``, item 1): while
+        torch compiles the eager wrapper of a HOP (``torch.cond``, ``while_loop``,
+        ``flex_attention``), so that the HOP runs captured with the mode on and its body
+        verified, and when the mode is entered, so that dynamo's guards leave its dispatch
+        keys out and a compiled wrapper is reused. Any other frame dynamo has not compiled
+        yet runs eagerly under the mode, fully verified (docs/COMPILE.md)."""
+        return hidden_from_dynamo()
+
+    def __enter__(self) -> "RoutingMode":
+        with entering():
+            super().__enter__()
+        return self
+
+    def __init__(self, sites: BranchSites | None = None) -> None:
         super().__init__()
+        self.sites = sites
         # keyed by the overload's id: OpOverload hashes in Python, and this lookup runs
         # for every aten op of the model
         self._routes: dict[int, Route] = {}
