@@ -52,6 +52,11 @@ CPU_GRAD_BLOCK = 32
 #: exp(x) underflows fp32 below this: entries of S further than it below the row max have
 #: P = 0 in every correct kernel (their S's own rounding does not matter)
 _EXP_RANGE = 104.0
+#: Relative error of one fp32 exp, in units of u32 = 2^-24, that each copy of P may carry:
+#: 1 ulp (libm's expf, torch's vectorised exp). The native screen's polynomial exp
+#: (csrc/attn_simd.h) measures at most 1.39 u32 over every fp32 argument it takes
+#: (docs/ATTENTION.md, "exp"; tests/test_native_attention.py checks a sample).
+EXP_U32 = 2
 
 
 @dataclass(frozen=True)
@@ -183,9 +188,11 @@ def p_error(eta: Tensor, s: int, copies: int) -> Tensor:
     """Relative error bound of ``P`` rows whose ``S`` is off by at most ``eta`` (per
     row), computed ``copies`` times (kernel and this recomputation: 2; the kernel against
     an exact fp64 reference: 1): ``exp(2 eta) - 1`` (the numerator and the normaliser
-    move), plus ``gamma_{2S+16}(u32)`` for the fp32 exponentials, running rescalings and
-    the normaliser's sum."""
-    return copies * (torch.expm1(2 * eta) + gamma(2 * s + 16, _U32))
+    move), plus ``gamma_{2S+16}(u32)``: ``S`` for the normaliser's fp32 sum, ``S`` for an
+    online-softmax kernel's running rescalings (at most one per key), ``2 EXP_U32`` for
+    the entry's exp and its share of the normaliser's, 12 for the subtraction of the row
+    maximum, the normalisation (a division, or a reciprocal and a product) and the rest."""
+    return copies * (torch.expm1(2 * eta) + gamma(2 * s + 12 + 2 * EXP_U32, _U32))
 
 
 def s_error(qnorm: Tensor, kmax: Tensor, rowmax: Tensor, scale: float, d: int, rnd: Rounding) -> Tensor:
@@ -223,6 +230,30 @@ def _tail(n: int, d: int, out_rounding: float) -> float:
     and the three fp32 sums over the head dim (the checksum vectors and the output's
     checksum)."""
     return (1 + gamma(n, _U32)) ** 2 * (1 + 2 * _U32) * (1 + out_rounding) * (1 + gamma(d, _U32)) ** 3
+
+
+def threshold_constants(ops: AttentionOperands, out_dtype: torch.dtype,
+                        grad_dtypes: tuple[torch.dtype, torch.dtype, torch.dtype] | None = None) -> dict[str, float]:
+    """The per-call constants of the per-row thresholds below (forward; with
+    ``grad_dtypes`` = the dtypes of ``dq, dk, dv``, the backward's too): what a screen that
+    evaluates the per-row formulas elsewhere needs (the native one,
+    ``sdc_guard.backends.native_attention``). ``ecoef``: ``s_error``'s factor of
+    ``|scale| |q| max|k|``; ``g2s``: ``p_error``'s rounding term; ``tail*``: ``_tail`` of each
+    output; ``floor`` / ``f*``: the outputs' underflow floors."""
+    b, hq, hkv, l, s, d, dv = ops.dims
+    rnd = rounding_model(ops.q.dtype, ops.q.device)
+    u_p = rnd.product
+    out = {"scale": ops.scale, "ecoef": gamma(d, _U32) + 2 * u_p + u_p * u_p + 4 * _U32,
+           "g2s": gamma(2 * s + 12 + 2 * EXP_U32, _U32), "p": rnd.p, "tiny": rnd.tiny,
+           "tail": _tail(s, dv, rnd.out), "floor": dv * (TINY[out_dtype] + (2 * s + 2) * _FTZ)}
+    if grad_dtypes is not None:
+        gl = (hq // hkv) * l
+        tq, tk, tv = grad_dtypes
+        out.update(uprod=u_p, gdv=gamma(dv + 2, _U32), tail_q=_tail(s, d, rnd.grad_rounding(s)),
+                   tail_kv=_tail(gl, d, rnd.grad_rounding(gl)), tail_v=_tail(gl, dv, rnd.grad_rounding(gl)),
+                   fq=d * (TINY[tq] + (2 * s + 2) * _FTZ), fk=d * (TINY[tk] + (2 * gl + 2) * _FTZ),
+                   fv=dv * (TINY[tv] + (2 * gl + 2) * _FTZ))
+    return out
 
 
 def forward_screen(ops: AttentionOperands, out: Tensor) -> RowCheck:
