@@ -4,8 +4,8 @@
  * (the formulas of sdc_guard/core/attention.py, evaluated in fp64 from the fp32 sums the
  * kernels return; docs/ATTENTION.md derives them).
  *
- * Work item: 256 query positions (AT_CHUNK) of one query head of one stacked head
- * (batch element, key/value head). A thread packs the stacked head's K^T (and V^T in the
+ * Work item: a chunk of the query positions (256, or L / 8 for L > 2048: AT_CHUNK,
+ * AT_CHUNKS) of one query head of one stacked head (batch element, key/value head). A thread packs the stacked head's K^T (and V^T in the
  * backward) into [S / 16][D][16] fp32 once for its consecutive items of that head, then
  * runs 16-row blocks: the strip S[16, keys] (prescaled Q times K^T: the micro-kernel),
  * per row the mask, -inf past the causal diagonal, the maximum, the exps and their sums.
@@ -58,7 +58,7 @@ typedef struct {
     const attn_call *c;
     const attn_isa *isa;
     int bwd;
-    int64_t g, nch, per_head, items, s_pad, nkb, ld;
+    int64_t g, chunk, nch, per_head, items, s_pad, nkb, ld;
     float *part;    /* backward: [items][5][s_pad] column partials */
     double *pscal;  /* backward: [items][2]: sum of flush |q|.1, sum of |dO|.1 over the item's rows */
     uint8_t *pflag; /* backward: [items]: 1 some row is unverifiable, 2 K or V is not finite */
@@ -198,8 +198,8 @@ static item item_of(const job *J, int64_t it) {
     x.b = x.n / c->hkv;
     x.h = x.n % c->hkv;
     x.hq = x.h * J->g + x.g;
-    x.i0 = ch * AT_CHUNK;
-    x.i1 = x.i0 + AT_CHUNK < c->l ? x.i0 + AT_CHUNK : c->l;
+    x.i0 = ch * J->chunk;
+    x.i1 = x.i0 + J->chunk < c->l ? x.i0 + J->chunk : c->l;
     return x;
 }
 
@@ -444,6 +444,9 @@ static int run(const attn_call *c, int threads, int bwd) {
     J.bwd = bwd;
     J.g = c->hq / c->hkv;
     J.nch = (c->l + AT_CHUNK - 1) / AT_CHUNK;
+    if (J.nch > AT_CHUNKS) J.nch = AT_CHUNKS;
+    J.chunk = ((c->l + J.nch - 1) / J.nch + AT_RB - 1) / AT_RB * AT_RB; /* whole row blocks */
+    J.nch = (c->l + J.chunk - 1) / J.chunk;
     J.per_head = J.g * J.nch;
     J.items = c->b * c->hkv * J.per_head;
     J.s_pad = (c->s + 15) & ~(int64_t)15;

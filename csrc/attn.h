@@ -26,8 +26,8 @@
  * keys accumulates key j into lane j mod 16 in key order and reduces the 16 lanes with
  * one fixed tree, every sum over query rows adds the rows in order (16-row blocks, then
  * the work items of a head in order), and the exp is one sequence of fp32 operations.
- * The split into work items is fixed (AT_CHUNK query positions), so the thread count
- * never changes a result.
+ * The split into work items depends on the shape only (AT_CHUNK, AT_CHUNKS), so the
+ * thread count never changes a result.
  */
 #ifndef VABFT_ATTN_H
 #define VABFT_ATTN_H
@@ -39,7 +39,8 @@
 #define DT_BOOL 3   /* mask dtype code: bool (1 byte, nonzero = attend) */
 #define AT_KB 16    /* keys per vector and per packed block of K^T / V^T */
 #define AT_RB 16    /* query rows per block (the micro-kernel's rows) */
-#define AT_CHUNK 256 /* query positions per work item */
+#define AT_CHUNK 256 /* query positions per work item, at least */
+#define AT_CHUNKS 8  /* work items per query head, at most (bounds the backward's column partials) */
 
 /* One block of the backward's dS pass (attn_body.h, dsblock): rows r < AT_RB with ok[r]
  * set, key vectors v < nkv. In: e (unnormalised exps, 0 where masked) and dp = dO V^T,

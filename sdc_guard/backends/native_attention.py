@@ -28,8 +28,8 @@ from . import native
 from .native import available, unavailable_reason
 from .native_call import DTYPE_CODE
 
-__all__ = ["ISA", "attention_isa", "available", "native_backward_screen", "native_forward_screen", "rejects",
-           "unavailable_reason"]
+__all__ = ["ISA", "attention_isa", "available", "native_backward_screen", "native_exp", "native_forward_screen",
+           "rejects", "unavailable_reason"]
 
 #: ISA names -> the kernels' codes (``"auto"``: the best this CPU runs)
 ISA: dict[str, int] = {"auto": 0, "generic": 1, "avx2": 2, "avx512": 3}
@@ -152,6 +152,20 @@ def native_backward_screen(ops: AttentionOperands, grad_out: Tensor, out: Tensor
     qok, qbad = (t.view(b, hq, l) for t in fl[: 2 * nq].view(2, nq))
     kok, vok, kvbad = (t.view(b, hkv, s) for t in fl[2 * nq:].view(3, nk))
     return BackwardCheck(RowCheck(qd, qt, qok, qbad), RowCheck(kd, kt, kok, kvbad), RowCheck(vd, vt, vok, kvbad))
+
+
+def native_exp(x: Tensor, isa: str = "auto") -> Tensor | None:
+    """``exp`` of a contiguous fp32 CPU tensor as the kernels of ``isa`` compute it (what
+    the accuracy test and measurement check); ``None`` without the extension."""
+    ext = _ext()
+    if ext is None:
+        return None
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x: expected a float32 CPU tensor, received {x.dtype} on {x.device.type}")
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    ext.attn_exp(x.data_ptr(), y.data_ptr(), x.numel(), _isa_code(isa))  # type: ignore[attr-defined]
+    return y
 
 
 def _isa_code(isa: str) -> int:
