@@ -27,11 +27,11 @@ static void gemm(const float *a, int64_t d, const float *bp, int64_t nkb, float 
     }
 }
 #elif AT_LEVEL == 2
-/* four groups of four rows: 8 accumulators (two halves per row) */
+/* rows in groups of 6, 6 and 4: 12 (or 8) accumulators, two halves per row */
 #define AT_ROW(r) __m256 c##r##a = _mm256_setzero_ps(), c##r##b = _mm256_setzero_ps();
 #define AT_FMA(r)                                                  \
     {                                                              \
-        __m256 x = _mm256_broadcast_ss(a + 16 * i + r0 + r);      \
+        __m256 x = _mm256_broadcast_ss(a + 16 * i + r0 + r);       \
         c##r##a = _mm256_fmadd_ps(x, b0, c##r##a);                 \
         c##r##b = _mm256_fmadd_ps(x, b1, c##r##b);                 \
     }
@@ -39,17 +39,24 @@ static void gemm(const float *a, int64_t d, const float *bp, int64_t nkb, float 
     _mm256_storeu_ps(c + (r0 + r) * ldc + 16 * kb, c##r##a);       \
     _mm256_storeu_ps(c + (r0 + r) * ldc + 16 * kb + 8, c##r##b);
 #define AT_4(M) M(0) M(1) M(2) M(3)
+#define AT_6(M) M(0) M(1) M(2) M(3) M(4) M(5)
+#define AT_GROUP(N)                                                                        \
+    {                                                                                      \
+        AT_##N(AT_ROW) for (int64_t i = 0; i < d; i++) {                                   \
+            __m256 b0 = _mm256_loadu_ps(b + 16 * i), b1 = _mm256_loadu_ps(b + 16 * i + 8); \
+            AT_##N(AT_FMA)                                                                 \
+        }                                                                                  \
+        AT_##N(AT_ST)                                                                      \
+    }
 static void gemm(const float *a, int64_t d, const float *bp, int64_t nkb, float *c, int64_t ldc) {
     for (int64_t kb = 0; kb < nkb; kb++) {
         const float *b = bp + kb * d * 16;
-        for (int r0 = 0; r0 < AT_RB; r0 += 4) {
-            AT_4(AT_ROW)
-            for (int64_t i = 0; i < d; i++) {
-                __m256 b0 = _mm256_loadu_ps(b + 16 * i), b1 = _mm256_loadu_ps(b + 16 * i + 8);
-                AT_4(AT_FMA)
-            }
-            AT_4(AT_ST)
-        }
+        int r0 = 0;
+        AT_GROUP(6)
+        r0 = 6;
+        AT_GROUP(6)
+        r0 = 12;
+        AT_GROUP(4)
     }
 }
 #else
