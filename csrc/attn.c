@@ -269,7 +269,7 @@ static int forward_items(void *ctx, int64_t i0, int64_t i1) {
                 double osum = row_sum(&c->o, x.b, x.hq, i, c->dv, w.row);
                 double rho = row_rho(c, sqrt(qs[r][2]), w.kmax, m);
                 double t = (((1 + rho) * (1 + c->c[AC_P]) * c->c[AC_TAIL] - 1) * absum + c->c[AC_FLOOR] +
-                            c->c[AC_TINY] * w.vabs_tot) * SLACK;
+                            (c->c[AC_TINY] + FTZ) * w.vabs_tot) * SLACK;
                 double dd = bad ? 0.0 : nan_inf(fabs(osum - (double)ref));
                 diff[o] = (float)dd;
                 thr[o] = (float)t;
@@ -414,7 +414,7 @@ static int finish_kv(void *ctx, int64_t n0, int64_t n1) {
             }
             int64_t o = n * c->s + j;
             double tk = (sc * (s5[4] + s5[2] + tail_kv * fsum) + c->c[AC_FK]) * SLACK;
-            double tv = (s5[1] + c->c[AC_TINY] * dabs + c->c[AC_FV]) * SLACK;
+            double tv = (s5[1] + (c->c[AC_TINY] + FTZ) * dabs + c->c[AC_FV]) * SLACK;
             double dk = bad ? 0.0 : nan_inf(fabs(row_sum(&c->dk, b, h, j, c->d, tmp) - (double)s5[3] * scale));
             double dvv = bad ? 0.0 : nan_inf(fabs(row_sum(&c->dvg, b, h, j, c->dv, tmp) - (double)s5[0]));
             kd[o] = (float)dk;

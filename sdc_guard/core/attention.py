@@ -261,7 +261,9 @@ def forward_screen(ops: AttentionOperands, out: Tensor) -> RowCheck:
 
     ``T_i = ((1 + rho_i)(1 + u_p) tail - 1) A_i + floor``, ``A_i = sum_j P_ij |V_j|.1``:
     every term of ``O_i . 1`` is a ``P_ij V_jd``, so each relative error of ``P`` and of
-    the accumulation scales ``A_i`` (docs/ATTENTION.md, "Forward")."""
+    the accumulation scales ``A_i`` (docs/ATTENTION.md, "Forward"). The floor's
+    ``(TINY + 2^-126) sum_j |V_j|.1``: a ``P`` flushed in the kernel's cast and an exp
+    flushed below 2^-126 in the recomputation (the native one's does)."""
     b, hq, hkv, l, s, d, dv = ops.dims
     rnd = rounding_model(ops.q.dtype, ops.q.device)
     q, o = _stack_rows(ops.q, hkv), _stack_rows(out, hkv)
@@ -274,7 +276,7 @@ def forward_screen(ops: AttentionOperands, out: Tensor) -> RowCheck:
         sm = softmax_rows(q[lo:hi], k[lo:hi], chunk_mask(ops, idx), ops.scale, rnd)
         x = torch.bmm(sm.p, torch.stack([vsum[lo:hi], vabs[lo:hi]], -1))  # [c, GL, 2]
         ref, absum = x[..., 0], x[..., 1]
-        floor = dv * (TINY[out.dtype] + (2 * s + 2) * _FTZ) + rnd.tiny * vabs[lo:hi].sum(-1, keepdim=True)
+        floor = dv * (TINY[out.dtype] + (2 * s + 2) * _FTZ) + (rnd.tiny + _FTZ) * vabs[lo:hi].sum(-1, keepdim=True)
         thresholds.append((((1 + sm.rho) * (1 + rnd.p) * tail - 1) * absum + floor) * _SLACK)
         diffs.append((o[lo:hi].sum(-1) - ref).abs())
         bads.append(sm.bad)
@@ -347,7 +349,7 @@ def backward_screen(ops: AttentionOperands, grad_out: Tensor, out: Tensor,
         dsat = torch.bmm(ds_abs.transpose(-1, -2), (((1 + kappa) * tail_kv - 1) * qabs[lo:hi]).unsqueeze(-1)).squeeze(-1)
         t_k = sc * (dsat + pt[..., 2] + tail_kv * (flush * qabs[lo:hi]).sum(-1, keepdim=True))
         t_k = t_k + d * (TINY[dk.dtype] + (2 * gl + 2) * _FTZ)
-        t_v = pt[..., 1] + rnd.tiny * doabs[lo:hi].sum(-1, keepdim=True) + dvd * (TINY[dv.dtype] + (2 * gl + 2) * _FTZ)
+        t_v = pt[..., 1] + (rnd.tiny + _FTZ) * doabs[lo:hi].sum(-1, keepdim=True) + dvd * (TINY[dv.dtype] + (2 * gl + 2) * _FTZ)
         parts["dq"].append((dqs[lo:hi].sum(-1) - ref_q).abs())
         parts["tq"].append(t_q * _SLACK)
         parts["dk"].append((dks[lo:hi].sum(-1) - dst * ops.scale).abs())
