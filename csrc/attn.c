@@ -58,7 +58,7 @@ typedef struct {
     const attn_call *c;
     const attn_isa *isa;
     int bwd;
-    int64_t g, chunk, nch, per_head, items, s_pad, nkb, ld;
+    int64_t g, chunk, nch, per_head, items, s_pad, ld;
     float *part;    /* backward: [items][5][s_pad] column partials */
     double *pscal;  /* backward: [items][2]: sum of flush |q|.1, sum of |dO|.1 over the item's rows */
     uint8_t *pflag; /* backward: [items]: 1 some row is unverifiable, 2 K or V is not finite */
@@ -450,7 +450,6 @@ static int run(const attn_call *c, int threads, int bwd) {
     J.per_head = J.g * J.nch;
     J.items = c->b * c->hkv * J.per_head;
     J.s_pad = (c->s + 15) & ~(int64_t)15;
-    J.nkb = J.s_pad / 16;
     J.ld = J.s_pad + 16; /* rows of a strip never 4 KiB apart */
     if (!bwd) return vabft_parallel(forward_items, &J, J.items, threads);
     J.part = (float *)malloc((size_t)(J.items * 5 * J.s_pad) * 4);
