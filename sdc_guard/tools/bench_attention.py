@@ -12,8 +12,9 @@ For each cell (context ``L``, head dim, dtype) it times, paired round by round
 
 ``--path`` picks the screen: ``guard`` (default) what ``protect()`` runs (the native
 kernels for CPU tensors when the extension is built, ``runtime.attention.screen_forward``),
-``native`` (``backends.native_attention``), ``torch`` (``core.attention``, the reference),
-or ``both`` (native and torch columns in one run, each paired with the same bare times).
+``native`` (``backends.native_attention``; ``--isa`` forces its AVX-512, AVX2 or plain C
+kernels), ``torch`` (``core.attention``, the reference), or ``both`` (native and torch
+columns in one run, each paired with the same bare times).
 
 Overhead = screen / bare; the target is <= 50 %. Causal self-attention by default (what
 decoder training runs); ``--no-causal`` for full attention.
@@ -28,7 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ..backends.native_attention import native_backward_screen, native_forward_screen
+from ..backends.native_attention import ISA, attention_isa, native_backward_screen, native_forward_screen
 from ..backends.native_attention import rejects as native_rejects
 from ..backends.native_attention import unavailable_reason as native_unavailable
 from ..core.attention import AttentionOperands, backward_screen, default_scale, forward_screen
@@ -64,18 +65,25 @@ def add_arguments(group: Any) -> None:
     group.add_argument("--path", choices=PATHS, default="guard",
                        help="attention: the screen timed: guard (default: what protect() runs), native, torch, "
                             "or both (native and torch columns)")
+    group.add_argument("--isa", choices=sorted(ISA), default="auto",
+                       help="attention: the native kernels' ISA (default auto: the best this CPU runs, as "
+                            "protect() does)")
 
 
 #: ``--path`` choices
 PATHS = ("guard", "native", "torch", "both")
 
 
-def resolve_paths(path: str, device: torch.device) -> list[str]:
+def resolve_paths(path: str, device: torch.device, isa: str = "auto") -> list[str]:
     """The screens ``--path`` times, by name (``native`` / ``torch``); ``ValueError`` naming
     the reason when the native screen is asked for and cannot run."""
     if path == "torch":
         return ["torch"]
     reason = native_unavailable() or (None if device.type == "cpu" else f"the native screen runs on cpu, not {device.type}")
+    if reason is None and attention_isa(isa) is None:
+        reason = f"--isa {isa}: this CPU does not run those kernels"
+    if isa != "auto" and path == "guard":
+        raise ValueError("--isa: expected --path native or both (protect() always runs --isa auto)")
     if path == "guard":
         return ["torch" if reason else "native"]
     if reason:
@@ -84,12 +92,13 @@ def resolve_paths(path: str, device: torch.device) -> list[str]:
 
 
 def _screens(path: str, ops: AttentionOperands, o: torch.Tensor, do: torch.Tensor,
-             grads: tuple[torch.Tensor, ...]) -> tuple[Callable[[], Any], Callable[[], Any]]:
+             grads: tuple[torch.Tensor, ...], isa: str) -> tuple[Callable[[], Any], Callable[[], Any]]:
     """(forward screen, backward screen) of one path as zero-argument calls."""
     if path == "torch":
         return lambda: forward_screen(ops, o), lambda: backward_screen(ops, do, o, *grads)
     assert native_rejects(ops, o, do, *grads) is None
-    return lambda: native_forward_screen(ops, o), lambda: native_backward_screen(ops, do, o, *grads)
+    return (lambda: native_forward_screen(ops, o, isa=isa),
+            lambda: native_backward_screen(ops, do, o, *grads, isa=isa))
 
 
 def measure(l: int, d: int, dtype: torch.dtype, device: torch.device, args: argparse.Namespace,
@@ -116,7 +125,8 @@ def measure(l: int, d: int, dtype: torch.dtype, device: torch.device, args: argp
             "bwd": _with_grad(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)),
         }
         for path in paths:
-            columns[f"screen_fwd:{path}"], columns[f"screen_bwd:{path}"] = _screens(path, ops, o, do, (dq, dk, dv))
+            columns[f"screen_fwd:{path}"], columns[f"screen_bwd:{path}"] = _screens(path, ops, o, do, (dq, dk, dv),
+                                                                                    args.isa)
         # sanity: what the guard runs passes clean data (no false flag)
         assert bool(screen_forward(ops, o).ok.all()), "clean forward flagged"
         assert all(bool(c.ok.all()) for c in (lambda b: (b.dq, b.dk, b.dv))(screen_backward(ops, do, o, dq, dk, dv))), \
@@ -145,7 +155,7 @@ def _with_grad(fn: Any) -> Any:
 def run(args: argparse.Namespace) -> Outcome:
     """All cells, their table, and whether every ratio of the first path met the target."""
     device = resolve_device(args.device)
-    paths = resolve_paths(args.path, device)
+    paths = resolve_paths(args.path, device, args.isa)
     load_before = load_average()
     rows = []
     for i, (dtype, l, d) in enumerate((t, l, d) for t in args.dtypes for l in args.ctx for d in args.head_dims):
@@ -172,9 +182,11 @@ def run(args: argparse.Namespace) -> Outcome:
     print(table(head, [cells(r) for r in rows]))
     worst = max(max(r["overhead"].values()) for r in rows)
     met = worst <= TARGET
-    print(f"screen: {' and '.join(paths)}; worst attention overhead ({paths[0]}) {100 * worst:.0f} % "
+    isa = f" ({attention_isa(args.isa)} kernels)" if "native" in paths else ""
+    print(f"screen: {' and '.join(paths)}{isa}; worst attention overhead ({paths[0]}) {100 * worst:.0f} % "
           f"(target <= {100 * TARGET:.0f} %): {'met' if met else 'NOT met'}")
-    payload = {"benchmark": "overhead --attention", "machine": machine(device), "paths": paths, "rows": rows,
+    payload = {"benchmark": "overhead --attention", "machine": machine(device), "paths": paths,
+               "isa": attention_isa(args.isa) if "native" in paths else None, "rows": rows,
                "worst": worst, "target": TARGET, "met": met, "load_before": load_before,
                "load_after": load_average()}
     return Outcome(0, payload)
