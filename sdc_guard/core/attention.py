@@ -20,7 +20,10 @@ fp32 accumulation, the outputs' rounding to their dtype), computed from the inpu
 
 Everything here is a pure function of tensors (no host synchronisation, no Python state),
 so a compiled route can call ``forward_screen`` / ``backward_screen`` on the op's
-operands as the eager dispatch mode does.
+operands as the eager dispatch mode does. On CPU the guard runs the same screen in native
+code (``sdc_guard.backends.native_attention``: blocked, in cache), which evaluates these
+per-row formulas with the per-call constants of ``threshold_constants``; this module is
+its reference and its fallback.
 
 Layout: queries of the ``G = Hq / Hkv`` heads sharing a key/value head (grouped-query
 attention; ``G = 1`` otherwise) are stacked into one ``[G L, D]`` row block per
