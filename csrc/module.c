@@ -13,6 +13,7 @@
 
 #include <stdint.h>
 
+#include "attn.h"
 #include "vabft_cpu.h"
 
 #define I(i) PyLong_AsLongLong(args[i])
@@ -142,6 +143,105 @@ static PyObject *py_check(PyObject *self, PyObject *const *args, Py_ssize_t narg
     return Py_BuildValue("(Nd)", PyBool_FromLong(rc), (double)worst);
 }
 
+/* attn(bwd, isa, threads, b, hq, hkv, l, s, d, dv, causal,
+ *      q, k, v, o, go, dq, dk, dv: 5 ints each (data, dtype, batch / head / row strides),
+ *      mask, mdt, smb, smh, smi, out, flags, then AC_N floats) -> bool: every row passed.
+ * The backward tensors are ignored (pass zeros) when bwd is 0. */
+#define ATTN_FIXED (11 + 8 * 5 + 7)
+static void tensor_arg(at_tensor *t, PyObject *const *args, int i) {
+    t->p = P(i);
+    t->dt = (int)I(i + 1);
+    t->sb = I(i + 2);
+    t->sh = I(i + 3);
+    t->sr = I(i + 4);
+}
+
+static PyObject *py_attn(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != ATTN_FIXED + AC_N) {
+        PyErr_Format(PyExc_TypeError, "attn: expected %d arguments, received %zd", ATTN_FIXED + AC_N, nargs);
+        return NULL;
+    }
+    attn_call c;
+    int bwd = (int)I(0), threads = (int)I(2);
+    c.isa = (int)I(1);
+    c.b = I(3);
+    c.hq = I(4);
+    c.hkv = I(5);
+    c.l = I(6);
+    c.s = I(7);
+    c.d = I(8);
+    c.dv = I(9);
+    c.causal = (int)I(10);
+    at_tensor *ts[8] = {&c.q, &c.k, &c.v, &c.o, &c.go, &c.dq, &c.dk, &c.dvg};
+    for (int t = 0; t < 8; t++) tensor_arg(ts[t], args, 11 + 5 * t);
+    int a = 11 + 40;
+    c.mask = P(a);
+    c.mdt = (int)I(a + 1);
+    c.smb = I(a + 2);
+    c.smh = I(a + 3);
+    c.smi = I(a + 4);
+    c.out = (float *)P(a + 5);
+    c.flags = (uint8_t *)P(a + 6);
+    for (int i = 0; i < AC_N; i++) c.c[i] = D(ATTN_FIXED + i);
+    if (PyErr_Occurred()) return NULL;
+    int used = bwd ? 8 : 4;
+    for (int t = 0; t < used; t++)
+        if (ts[t]->dt < 0 || ts[t]->dt > 2) {
+            PyErr_SetString(PyExc_ValueError, "attn: bad dtype code");
+            return NULL;
+        }
+    if (c.b <= 0 || c.hkv <= 0 || c.hq <= 0 || c.hq % c.hkv || c.l <= 0 || c.s <= 0 || c.d <= 0 || c.dv <= 0 ||
+        (c.mask && (c.mdt < 0 || c.mdt > 3))) {
+        PyErr_SetString(PyExc_ValueError, "attn: bad shape or mask dtype code");
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = bwd ? vabft_attn_backward(&c, threads) : vabft_attn_forward(&c, threads);
+    Py_END_ALLOW_THREADS
+    if (rc == -1) return PyErr_NoMemory();
+    if (rc == -2) {
+        PyErr_Format(PyExc_ValueError, "attn: isa %d is not one this CPU runs", c.isa);
+        return NULL;
+    }
+    return PyBool_FromLong(rc);
+}
+
+/* attn_exp(x, y, n, isa) -> None: y = exp(x) as the attention kernels of isa compute it */
+static PyObject *py_attn_exp(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "attn_exp: expected 4 arguments");
+        return NULL;
+    }
+    const float *x = (const float *)P(0);
+    float *y = (float *)P(1);
+    int64_t n = I(2);
+    int isa = (int)I(3);
+    if (PyErr_Occurred()) return NULL;
+    const attn_isa *k = vabft_attn_isa(isa);
+    if (!k) {
+        PyErr_Format(PyExc_ValueError, "attn_exp: isa %d is not one this CPU runs", isa);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    k->exp(x, y, n);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* attn_isa(isa) -> str | None: the name of the attention kernels isa selects (0: the best
+ * this CPU runs), None when this CPU cannot run them */
+static PyObject *py_attn_isa(PyObject *self, PyObject *arg) {
+    (void)self;
+    long isa = PyLong_AsLong(arg);
+    if (isa == -1 && PyErr_Occurred()) return NULL;
+    const attn_isa *k = vabft_attn_isa((int)isa);
+    if (!k) Py_RETURN_NONE;
+    return PyUnicode_FromString(k->name);
+}
+
 /* noop(*args): the binding's own cost, for measuring the per-call overhead */
 static PyObject *py_noop(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -160,6 +260,9 @@ static PyObject *py_runtime(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"weight_side", (PyCFunction)(void (*)(void))py_weight_side, METH_FASTCALL, "V-ABFT weight side (native_call.py)"},
     {"check", (PyCFunction)(void (*)(void))py_check, METH_FASTCALL, "V-ABFT check (native_call.py)"},
+    {"attn", (PyCFunction)(void (*)(void))py_attn, METH_FASTCALL, "attention screen (native_attention.py)"},
+    {"attn_exp", (PyCFunction)(void (*)(void))py_attn_exp, METH_FASTCALL, "the attention kernels' exp (tests)"},
+    {"attn_isa", (PyCFunction)py_attn_isa, METH_O, "the attention kernels an ISA code selects"},
     {"runtime", (PyCFunction)(void (*)(void))py_runtime, METH_NOARGS, "the OpenMP runtime the kernels split work on"},
     {"noop", (PyCFunction)(void (*)(void))py_noop, METH_FASTCALL, "does nothing (overhead probe)"},
     {NULL, NULL, 0, NULL},

@@ -25,6 +25,8 @@
  *   check_a.c      the check's pass over A: row statistics and A Br per segment;
  *   check_sums.c   the check's segment sums of C and the bias;
  *   check.c        the check's work items, thresholds and verdicts;
+ *   attn*.c / .h   the fused-attention screen (attn.h maps its files; ISA chosen at run
+ *                  time, not by these build flags);
  *   module.c       the CPython bindings (sdc_guard._vabft_cpu).
  *
  * Determinism and batch invariance: every value of a row (D, T, the verdict) is computed

@@ -6,15 +6,28 @@ import torch.nn.functional as F
 from torch import nn
 
 import sdc_guard
+from sdc_guard.backends import native_attention
 from sdc_guard.core.attention import AttentionOperands, default_scale, backward_screen, forward_screen
 
 aten = torch.ops.aten
 
 
+def _screens(path: str):
+    """(forward, backward) screen of ``path``: the torch reference or the native kernels
+    (what protect() runs on CPU when the extension is built)."""
+    if path == "torch":
+        return forward_screen, backward_screen
+    if not native_attention.available():
+        pytest.skip(str(native_attention.unavailable_reason()))
+    return native_attention.native_forward_screen, native_attention.native_backward_screen
+
+
+@pytest.mark.parametrize("path", ["torch", "native"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,causal,mask", [(4, 4, False, None), (4, 2, True, None), (4, 4, False, "float"),
                                                 (4, 1, False, "bool")])
-def test_clean_kernel_passes_the_screen(dtype, hq, hkv, causal, mask) -> None:
+def test_clean_kernel_passes_the_screen(dtype, hq, hkv, causal, mask, path) -> None:
+    forward_screen, backward_screen = _screens(path)
     torch.manual_seed(0)
     b, l, d = 2, 40, 16
     q, k, v = (torch.randn(b, h, l, d).mul(2).to(dtype) for h in (hq, hkv, hkv))

@@ -66,12 +66,24 @@ def test_overhead_attention(tmp_path: Path) -> None:
     rows = report["rows"]
     assert [(r["dtype"], r["L"], r["head_dim"]) for r in rows] == [
         ("fp32", 32, 16), ("fp32", 64, 16), ("bf16", 32, 16), ("bf16", 64, 16)]
+    guard_path = "native" if native.available() else "torch"  # what protect() runs on CPU
     for r in rows:
         assert r["kv_heads"] == 2 and r["causal"] and set(r["ms"]) == {"fwd", "screen_fwd", "bwd", "screen_bwd"}
         assert all(v > 0 for v in r["overhead"].values())
+        assert r["path"] == guard_path and list(r["paths"]) == [guard_path]
     assert report["target"] == 0.5 and report["worst"] == max(max(r["overhead"].values()) for r in rows)
+    if native.available():  # --path both: native and torch columns, each paired with the same bare times
+        both = bench(tmp_path, "overhead", "--attention", "--ctx", "32", "--head-dims", "16", "--dtypes", "fp32",
+                     "--heads", "2", "--reps", "3", "--warmup", "1", "--path", "both", "--isa", "generic")
+        (r,) = both["rows"]
+        assert both["paths"] == ["native", "torch"] and set(r["paths"]) == {"native", "torch"}
+        assert both["isa"] == "generic"
+        assert r["overhead"] == r["paths"]["native"]["overhead"]
+        assert all(v > 0 for p in r["paths"].values() for v in p["overhead"].values())
     assert cli.main(["bench", "overhead", "--attention", "--heads", "3", "--kv-heads", "2", "--ctx", "8",
                      "--head-dims", "8", "--quiet"]) == 2  # bad GQA grouping: a clear error, exit 2
+    assert cli.main(["bench", "overhead", "--attention", "--ctx", "8", "--head-dims", "8", "--isa", "generic",
+                     "--quiet"]) == 2  # an ISA for the screen protect() runs: it always runs auto
 
 
 def test_overhead_default_shape_set() -> None:

@@ -24,6 +24,12 @@ payload to the compiler when both operands of an add are NaN, so the portable bu
 itself does not fix it). ``SDC_GUARD_ISA_SEED`` and ``SDC_GUARD_ISA_CASES`` draw another
 or a larger set.
 
+The attention kernels (``csrc/attn*``) choose their ISA at run time, and
+tests/test_native_attention.py compares every path this CPU runs with the plain C one in
+one process. Here the worker adds their results (forward and backward screens, plain C
+and the automatic choice) on fixed operands, so the plain C path is also compared as the
+portable flags compile it (``fmaf`` from libm where the target has no FMA).
+
 A build that fails to compile skips the test, unless ``CI`` is set: there it fails, as
 a skipped comparison would let an ISA path drift unnoticed.
 """
@@ -196,7 +202,39 @@ def results(case_file: str) -> list[dict]:
         assert len(rows) == 1, "explain_failures was not called: the row statistics hook needs updating"
         got["rows.mu"], got["rows.hi"], got["rows.lo"] = rows[0]
         out.append({key: v.clone() if isinstance(v, torch.Tensor) else v for key, v in got.items()})
+    out.append(attention_results())
     return out
+
+
+def attention_results() -> dict:
+    """The native attention screens on fixed operands (fp32 / bf16 / fp16; causal, GQA,
+    boolean and additive masks; odd L, S and head dims), plain C and the automatic ISA."""
+    from sdc_guard.backends import native_attention as na
+    from sdc_guard.core.attention import AttentionOperands
+
+    g = torch.Generator().manual_seed(11)
+    got: dict = {}
+    specs = [(torch.float32, 4, 2, 70, 70, 24, True, None), (torch.bfloat16, 2, 1, 33, 50, 40, False, "bool"),
+             (torch.float16, 3, 3, 300, 17, 8, False, "float")]
+    for i, (dt, hq, hkv, l, s, d, causal, mask) in enumerate(specs):
+        q = torch.randn(2, hq, l, d, generator=g).to(dt)
+        k, v = (torch.randn(2, hkv, s, d, generator=g).to(dt) for _ in range(2))
+        o, do, dq = (torch.randn(2, hq, l, d, generator=g).to(dt) for _ in range(3))
+        dk, dv = (torch.randn(2, hkv, s, d, generator=g).to(dt) for _ in range(2))
+        m = None
+        if mask == "bool":
+            m = torch.rand(l, s, generator=g) > 0.3
+        elif mask == "float":
+            m = torch.randn(2, 1, l, s, generator=g).to(dt)
+        ops = AttentionOperands(q, k, v, m, causal, 0.37)
+        for isa in ("generic", "auto"):
+            fwd = na.native_forward_screen(ops, o, isa=isa, threads=2)
+            bwd = na.native_backward_screen(ops, do, o, dq, dk, dv, isa=isa, threads=2)
+            assert fwd is not None and bwd is not None
+            for name, check in (("o", fwd), ("dq", bwd.dq), ("dk", bwd.dk), ("dv", bwd.dv)):
+                for f in ("diff", "threshold", "ok", "inputs_bad"):
+                    got[f"attn{i}.{isa}.{name}.{f}"] = getattr(check, f).clone()
+    return got
 
 
 def _main(argv: list[str]) -> None:
@@ -276,12 +314,14 @@ def test_isa_paths_match_portable_c(tmp_path: Path) -> None:
     got = torch.load(tmp_path / "installed.pt", weights_only=False)
     want = torch.load(tmp_path / "portable.pt", weights_only=False)
     specs = torch.load(case_file, weights_only=False)
-    assert len(got) == len(want) == len(specs)
+    assert len(got) == len(want) == len(specs) + 1  # the GEMM cases, then the attention screens
     for i, (g, w) in enumerate(zip(got, want)):
         assert g.keys() == w.keys()
         for key in g:
             gb, wb = _bits(g[key]), _bits(w[key])
             same = torch.equal(gb, wb) if isinstance(gb, torch.Tensor) else gb == wb
+            if not same and i == len(specs):
+                raise AssertionError(f"attention screen: {key} differs between the installed and the portable build")
             if not same:
                 cs = specs[i]
                 desc = {k: (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else v

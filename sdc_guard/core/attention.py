@@ -20,7 +20,10 @@ fp32 accumulation, the outputs' rounding to their dtype), computed from the inpu
 
 Everything here is a pure function of tensors (no host synchronisation, no Python state),
 so a compiled route can call ``forward_screen`` / ``backward_screen`` on the op's
-operands as the eager dispatch mode does.
+operands as the eager dispatch mode does. On CPU the guard runs the same screen in native
+code (``sdc_guard.backends.native_attention``: blocked, in cache), which evaluates these
+per-row formulas with the per-call constants of ``threshold_constants``; this module is
+its reference and its fallback.
 
 Layout: queries of the ``G = Hq / Hkv`` heads sharing a key/value head (grouped-query
 attention; ``G = 1`` otherwise) are stacked into one ``[G L, D]`` row block per
@@ -52,6 +55,11 @@ CPU_GRAD_BLOCK = 32
 #: exp(x) underflows fp32 below this: entries of S further than it below the row max have
 #: P = 0 in every correct kernel (their S's own rounding does not matter)
 _EXP_RANGE = 104.0
+#: Relative error of one fp32 exp, in units of u32 = 2^-24, that each copy of P may carry:
+#: 1 ulp (libm's expf, torch's vectorised exp). The native screen's polynomial exp
+#: (csrc/attn_simd.h) measures at most 1.39 u32 over every fp32 argument it takes
+#: (docs/ATTENTION.md, "exp"; tests/test_native_attention.py checks a sample).
+EXP_U32 = 2
 
 
 @dataclass(frozen=True)
@@ -183,9 +191,11 @@ def p_error(eta: Tensor, s: int, copies: int) -> Tensor:
     """Relative error bound of ``P`` rows whose ``S`` is off by at most ``eta`` (per
     row), computed ``copies`` times (kernel and this recomputation: 2; the kernel against
     an exact fp64 reference: 1): ``exp(2 eta) - 1`` (the numerator and the normaliser
-    move), plus ``gamma_{2S+16}(u32)`` for the fp32 exponentials, running rescalings and
-    the normaliser's sum."""
-    return copies * (torch.expm1(2 * eta) + gamma(2 * s + 16, _U32))
+    move), plus ``gamma_{2S+16}(u32)``: ``S`` for the normaliser's fp32 sum, ``S`` for an
+    online-softmax kernel's running rescalings (at most one per key), ``2 EXP_U32`` for
+    the entry's exp and its share of the normaliser's, 12 for the subtraction of the row
+    maximum, the normalisation (a division, or a reciprocal and a product) and the rest."""
+    return copies * (torch.expm1(2 * eta) + gamma(2 * s + 12 + 2 * EXP_U32, _U32))
 
 
 def s_error(qnorm: Tensor, kmax: Tensor, rowmax: Tensor, scale: float, d: int, rnd: Rounding) -> Tensor:
@@ -225,12 +235,38 @@ def _tail(n: int, d: int, out_rounding: float) -> float:
     return (1 + gamma(n, _U32)) ** 2 * (1 + 2 * _U32) * (1 + out_rounding) * (1 + gamma(d, _U32)) ** 3
 
 
+def threshold_constants(ops: AttentionOperands, out_dtype: torch.dtype,
+                        grad_dtypes: tuple[torch.dtype, torch.dtype, torch.dtype] | None = None) -> dict[str, float]:
+    """The per-call constants of the per-row thresholds below (forward; with
+    ``grad_dtypes`` = the dtypes of ``dq, dk, dv``, the backward's too): what a screen that
+    evaluates the per-row formulas elsewhere needs (the native one,
+    ``sdc_guard.backends.native_attention``). ``ecoef``: ``s_error``'s factor of
+    ``|scale| |q| max|k|``; ``g2s``: ``p_error``'s rounding term; ``tail*``: ``_tail`` of each
+    output; ``floor`` / ``f*``: the outputs' underflow floors."""
+    b, hq, hkv, l, s, d, dv = ops.dims
+    rnd = rounding_model(ops.q.dtype, ops.q.device)
+    u_p = rnd.product
+    out = {"scale": ops.scale, "ecoef": gamma(d, _U32) + 2 * u_p + u_p * u_p + 4 * _U32,
+           "g2s": gamma(2 * s + 12 + 2 * EXP_U32, _U32), "p": rnd.p, "tiny": rnd.tiny,
+           "tail": _tail(s, dv, rnd.out), "floor": dv * (TINY[out_dtype] + (2 * s + 2) * _FTZ)}
+    if grad_dtypes is not None:
+        gl = (hq // hkv) * l
+        tq, tk, tv = grad_dtypes
+        out.update(uprod=u_p, gdv=gamma(dv + 2, _U32), tail_q=_tail(s, d, rnd.grad_rounding(s)),
+                   tail_kv=_tail(gl, d, rnd.grad_rounding(gl)), tail_v=_tail(gl, dv, rnd.grad_rounding(gl)),
+                   fq=d * (TINY[tq] + (2 * s + 2) * _FTZ), fk=d * (TINY[tk] + (2 * gl + 2) * _FTZ),
+                   fv=dv * (TINY[tv] + (2 * gl + 2) * _FTZ))
+    return out
+
+
 def forward_screen(ops: AttentionOperands, out: Tensor) -> RowCheck:
     """Screen the forward output ``out [B, Hq, L, Dv]`` of ``ops``, per row (``[B, Hq, L]``).
 
     ``T_i = ((1 + rho_i)(1 + u_p) tail - 1) A_i + floor``, ``A_i = sum_j P_ij |V_j|.1``:
     every term of ``O_i . 1`` is a ``P_ij V_jd``, so each relative error of ``P`` and of
-    the accumulation scales ``A_i`` (docs/ATTENTION.md, "Forward")."""
+    the accumulation scales ``A_i`` (docs/ATTENTION.md, "Forward"). The floor's
+    ``(TINY + 2^-126) sum_j |V_j|.1``: a ``P`` flushed in the kernel's cast and an exp
+    flushed below 2^-126 in the recomputation (the native one's does)."""
     b, hq, hkv, l, s, d, dv = ops.dims
     rnd = rounding_model(ops.q.dtype, ops.q.device)
     q, o = _stack_rows(ops.q, hkv), _stack_rows(out, hkv)
@@ -243,7 +279,7 @@ def forward_screen(ops: AttentionOperands, out: Tensor) -> RowCheck:
         sm = softmax_rows(q[lo:hi], k[lo:hi], chunk_mask(ops, idx), ops.scale, rnd)
         x = torch.bmm(sm.p, torch.stack([vsum[lo:hi], vabs[lo:hi]], -1))  # [c, GL, 2]
         ref, absum = x[..., 0], x[..., 1]
-        floor = dv * (TINY[out.dtype] + (2 * s + 2) * _FTZ) + rnd.tiny * vabs[lo:hi].sum(-1, keepdim=True)
+        floor = dv * (TINY[out.dtype] + (2 * s + 2) * _FTZ) + (rnd.tiny + _FTZ) * vabs[lo:hi].sum(-1, keepdim=True)
         thresholds.append((((1 + sm.rho) * (1 + rnd.p) * tail - 1) * absum + floor) * _SLACK)
         diffs.append((o[lo:hi].sum(-1) - ref).abs())
         bads.append(sm.bad)
@@ -316,7 +352,7 @@ def backward_screen(ops: AttentionOperands, grad_out: Tensor, out: Tensor,
         dsat = torch.bmm(ds_abs.transpose(-1, -2), (((1 + kappa) * tail_kv - 1) * qabs[lo:hi]).unsqueeze(-1)).squeeze(-1)
         t_k = sc * (dsat + pt[..., 2] + tail_kv * (flush * qabs[lo:hi]).sum(-1, keepdim=True))
         t_k = t_k + d * (TINY[dk.dtype] + (2 * gl + 2) * _FTZ)
-        t_v = pt[..., 1] + rnd.tiny * doabs[lo:hi].sum(-1, keepdim=True) + dvd * (TINY[dv.dtype] + (2 * gl + 2) * _FTZ)
+        t_v = pt[..., 1] + (rnd.tiny + _FTZ) * doabs[lo:hi].sum(-1, keepdim=True) + dvd * (TINY[dv.dtype] + (2 * gl + 2) * _FTZ)
         parts["dq"].append((dqs[lo:hi].sum(-1) - ref_q).abs())
         parts["tq"].append(t_q * _SLACK)
         parts["dk"].append((dks[lo:hi].sum(-1) - dst * ops.scale).abs())

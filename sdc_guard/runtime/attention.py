@@ -22,16 +22,25 @@ A call the check cannot cover keeps its place in the report as unverified, named
 ``kernel[reason]``: dropout (its mask lives inside the kernel's random stream), a causal
 flag with ``L != S`` on kernels whose alignment is not PyTorch's top-left, nested or
 non-4-D inputs, unsupported dtypes, a ``grad_input_mask`` that skips a gradient.
+
+The screen of a CPU call runs in the native kernels when the extension is built
+(``sdc_guard.backends.native_attention``: blocked, in cache, several times faster) unless
+a backend other than ``"cpu"`` is forced (``protect(backend=...)`` or
+``SDC_GUARD_BACKEND``); everything else, and anything those kernels do not cover, runs the
+torch screen, which is the reference.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
+from ..backends import ENV_BACKEND
+from ..backends.native_attention import native_backward_screen, native_forward_screen
 from ..core.attention import (AttentionOperands, BackwardCheck, RowCheck, backward_screen, default_scale,
                               forward_screen)
 from ..core.attention_confirm import RowConfirmation, confirm_backward, confirm_forward
@@ -249,6 +258,27 @@ def op_name(packet: Any) -> str:
     return BACKWARD_OP if str(packet).endswith("_backward") else FORWARD_OP
 
 
+def native_allowed(backend: str | None = None) -> bool:
+    """Whether the native screen may serve CPU calls: no backend forced (``backend`` or
+    ``$SDC_GUARD_BACKEND``), or ``"cpu"``, the native one."""
+    name = backend if backend is not None else os.environ.get(ENV_BACKEND) or None
+    return name is None or name == "cpu"
+
+
+def screen_forward(ops: AttentionOperands, out: Tensor, backend: str | None = None) -> RowCheck:
+    """The forward screen the guard runs on ``ops`` and its output: the native kernels
+    where they cover the call and ``native_allowed(backend)``, else the torch screen."""
+    check = native_forward_screen(ops, out) if native_allowed(backend) else None
+    return forward_screen(ops, out) if check is None else check
+
+
+def screen_backward(ops: AttentionOperands, grad_out: Tensor, out: Tensor, dq: Tensor, dk: Tensor, dv: Tensor,
+                    backend: str | None = None) -> BackwardCheck:
+    """The backward screen the guard runs (``screen_forward``'s choice of path)."""
+    check = native_backward_screen(ops, grad_out, out, dq, dk, dv) if native_allowed(backend) else None
+    return backward_screen(ops, grad_out, out, dq, dk, dv) if check is None else check
+
+
 def _summary(confs: list[RowConfirmation], checks: list[RowCheck]) -> Tensor:
     """The ledger's ``SUMMARY`` numbers of one attention check (``ledger.SUMMARY``)."""
     corrupted = torch.stack([c.sdc.any() for c in confs]).any()
@@ -269,15 +299,16 @@ def _clear(checks: list[RowCheck]) -> list[float] | None:
     return clear_summary(worst)
 
 
-def verify(call: AttentionCall) -> tuple[Tensor | None, Tensor | list[float]]:
+def verify(call: AttentionCall, backend: str | None = None) -> tuple[Tensor | None, Tensor | list[float]]:
     """Screen and confirm ``call``: (confirmed-corruption mask ``[B, Hq, R, C]``, the
     ledger's summary). ``C`` columns: 1 for the forward (``O``), 3 for the backward
     (``GRADIENTS``; a key/value row is marked on the first query head of its group),
-    ``R = max(L, S)`` rows. Writes no input."""
+    ``R = max(L, S)`` rows. ``backend``: the guard's (``screen_forward`` says what it
+    selects). Writes no input."""
     ops = call.operands
     assert ops is not None and call.out is not None
     if call.grads is None:
-        check = forward_screen(ops, call.out)
+        check = screen_forward(ops, call.out, backend)
         clear = _clear([check])
         if clear is not None:
             return None, clear
@@ -285,7 +316,7 @@ def verify(call: AttentionCall) -> tuple[Tensor | None, Tensor | list[float]]:
         return conf.sdc.unsqueeze(-1), _summary([conf], [check])
     assert call.grad_out is not None
     dq, dk, dv = call.grads
-    bcheck: BackwardCheck = backward_screen(ops, call.grad_out, call.out, dq, dk, dv)
+    bcheck = screen_backward(ops, call.grad_out, call.out, dq, dk, dv, backend)
     checks = [bcheck.dq, bcheck.dk, bcheck.dv]
     clear = _clear(checks)
     if clear is not None:

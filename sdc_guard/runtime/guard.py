@@ -510,7 +510,7 @@ class Guard:
             began = self._ledger.clock.start(device)
             try:
                 with _disable_current_modes():
-                    sdc, summary = verify_attention(call)
+                    sdc, summary = verify_attention(call, self.backend)
             except Exception as exc:  # a monitoring failure never stops training
                 self._warn_once(f"verify:{type(exc).__name__}", f"sdc_guard: could not verify an {call.op} call "
                                 f"({type(exc).__name__}: {exc}); counting it as unverified")
