@@ -203,7 +203,7 @@ def test_train(tmp_path: Path) -> None:
     full = results["Full()"]
     assert full["gemms_verified_per_step"] == full["gemms_seen_per_step"] > 0
     assert full["max_gap_steps"] == 0 and full["flagged"] == 0
-    # the guarded copies step through optimizer_step: the second and third watched steps
+    # the guarded copies step through optimizer_step: watched steps 1 and 2
     # (rounds 1 and 2, both measured) replay the closure bare, and every report is calibrated
     assert full["calibration_replays"] == 2 and full["calibrated_share"] == 1.0
     assert results["intercept only"]["gemms_verified_per_step"] == 0

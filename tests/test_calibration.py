@@ -50,10 +50,10 @@ def _train(steps: int, *, calibrate_every: int | None, sampler=None, policy: Pol
     return model, opt, outcomes, calls
 
 
-def test_replays_run_on_the_second_and_third_watched_steps_then_every_n_and_are_charged() -> None:
+def test_replays_run_on_watched_steps_1_2_4_8_16_and_every_nth_and_are_charged() -> None:
     _, _, outcomes, calls = _train(10, calibrate_every=3)
     replayed = [o.report.step for o in outcomes if o.report.calibration_seconds > 0]
-    assert replayed == [1, 2, 5, 8]
+    assert replayed == [1, 2, 3, 4, 6, 8, 9]
     assert calls == [2 if step in replayed else 1 for step in range(10)]  # one bare run more, no other
     for o in outcomes:
         r = o.report
@@ -136,7 +136,7 @@ def test_unwatched_steps_install_no_mode_no_hooks_capture_nothing_and_never_repl
     unwatched = [s for s in seen if s[0] not in watched]
     assert len(unwatched) == 5 and all(s[1:] == (False, 0, 0) for s in unwatched), unwatched
     assert len(saved) == len(watched)  # captured for watched steps only
-    # the replays: the second and third watched steps (3 and 6), never an unwatched one
+    # the replays: watched steps 1 and 2 (steps 3 and 6), never an unwatched one
     assert [o.report.step for o in outcomes if o.report.calibration_seconds > 0] == [3, 6]
     assert calls == [2 if step in (3, 6) else 1 for step in range(8)]
     bare = [s for s in seen if s[0] in watched and not s[1]]
@@ -165,13 +165,17 @@ def test_no_replay_under_a_fault_drill() -> None:
 
 def test_calibration_pools_pairs_and_its_schedule() -> None:
     c = Calibration(every=4)
-    assert [c.due() for _ in range(12)] == [i in (1, 2, 6, 10) for i in range(12)]
+    assert [c.due() for _ in range(21)] == [i in (1, 2, 4, 8, 12, 16, 20) for i in range(21)]
+    assert [i for i in range(300) if Calibration(every=100).picks(i)] == [1, 2, 4, 8, 16, 100, 200]
     assert c.factor is None and c.floor == 0.0
-    c.add(Pair(bare=1.0, guarded=2.0, measured=0.2, estimate=0.4))  # residual 0.8
-    c.add(Pair(bare=1.1, guarded=1.5, measured=0.2, estimate=0.4))  # residual 0.2
-    assert c.factor == pytest.approx((0.8 + 0.2) / 0.8) and c.floor == 1.0
-    c.add(Pair(bare=1.0, guarded=0.5, measured=0.2, estimate=0.4))  # noise: a negative residual
-    assert c.factor == pytest.approx((0.8 + 0.2 - 0.7) / 1.2)  # pooled, not dropped
+    c.add(Pair(bare=1.0, guarded=2.0, measured=0.2, estimate=0.4))  # residual 0.8: 2x the estimate
+    c.add(Pair(bare=1.1, guarded=1.5, measured=0.2, estimate=0.4))  # residual 0.2: 0.5x
+    assert c.factor == pytest.approx((2.0 + 0.5) / 2) and c.floor == 1.0
+    c.add(Pair(bare=1.0, guarded=9.0, measured=0.2, estimate=0.4))  # a preempted guarded run: 19.5x
+    assert c.factor == pytest.approx(2.0)  # the median does not follow it
+    for _ in range(10):
+        c.add(Pair(bare=1.0, guarded=1.0, measured=0.1, estimate=0.4))  # noise: negative residuals
+    assert len(c.pairs) == 8 and c.factor == 0.0  # the last 8 only, floored at 0
     assert Calibration(every=None).due() is False
     with pytest.raises(ValueError, match="calibrate_every: expected a positive int"):
         sdc_guard.protect(BNNet(), calibrate_every=0)

@@ -9,7 +9,8 @@ module call, each measured once per process on a tiny op) covers the first two a
 the last: on a 0.6 M-parameter model it reported about half of what the guard really cost.
 
 So the guard measures it. On some watched steps taken through ``Guard.optimizer_step``
-(the ones ``Calibration.due`` picks: the second and third, then every ``every``-th), the
+(the ones ``Calibration.picks``: the watched steps numbered 1, 2, 4, 8 and 16, so
+that the factor settles early, then every ``every``-th), the
 step's closure first runs once with interception fully off (no mode, no hooks), timed;
 everything it changed is put back (``respond.rerun.StepState``: gradients, the random
 generators, buffers, the user's state); then the normal guarded run follows, timed, and
@@ -17,13 +18,14 @@ its results are the ones used, so a run with calibration replays ends bit-identi
 without. The two runs of the same step, minus what the guard timed itself inside the
 guarded one, are the interception's real cost in that step, ``residual``. Over the
 per-op estimate for the same run, that is the factor every report of the model then
-applies to its estimate: ``interception = factor * estimate`` (the pool of the last
-``POOL`` replays, ratio of sums, so one disturbed pair moves it by a fraction).
+applies to its estimate: ``interception = factor * estimate`` (the median over the last
+``POOL`` replays, so that one disturbed pair does not move it).
 
 The replay costs about one unguarded run of the closure; it is the guard's cost too, and
 is charged to the step that ran it (``StepReport.calibration_seconds``, inside
-``guard_seconds``). With ``every=100`` (the default) that is about 1 % of the watched
-steps' unguarded time, and nothing on steps the sampler does not watch.
+``guard_seconds``). With ``every=100`` (the default) that is five replays in the first
+sixteen watched steps, then about 1 % of the watched steps' unguarded time, and nothing
+on steps the sampler does not watch.
 
 The state lives with the model, like the step clock (``runtime.schedule``), so that
 successive per-step ``protect()`` blocks share one calibration.
@@ -31,6 +33,7 @@ successive per-step ``protect()`` blocks share one calibration.
 
 from __future__ import annotations
 
+import statistics
 import time
 import weakref
 from collections import deque
@@ -46,13 +49,12 @@ from ..respond import distributed
 if TYPE_CHECKING:
     from .guard import Guard
 
-#: Default number of watched guarded steps between calibration replays (after the first two).
+#: Default number of watched guarded steps between calibration replays (after the early ones).
 DEFAULT_EVERY = 100
-#: Eligible steps (watched, through ``optimizer_step``) whose index gets a replay before
-#: the periodic ones: not the first (it pays one-off costs: cold encodings, first calls).
-EARLY = (1, 2)
 #: Replays pooled into the factor.
 POOL = 8
+#: The early replays: on the watched steps numbered by the powers of two up to this one.
+EARLY_UNTIL = 16
 
 
 def check_calibrate_every(value: object, name: str = "calibrate_every") -> int | None:
@@ -109,11 +111,17 @@ class Calibration:
 
     def picks(self, index: int) -> bool:
         """Whether the ``index``-th eligible step (or, in a distributed run, step number
-        ``index``) gets a replay: ``EARLY``, then every ``every``-th after the last of them."""
-        if self.every is None:
+        ``index``) gets a replay: 1, 2, 4, 8 and 16 (not 0: the first step pays one-off
+        costs, cold encodings and first calls), then every ``every``-th.
+
+        >>> [i for i in range(300) if Calibration(100).picks(i)]
+        [1, 2, 4, 8, 16, 100, 200]
+        """
+        if self.every is None or index < 1:
             return False
-        last = EARLY[-1]
-        return index in EARLY or (index > last and (index - last) % self.every == 0)
+        if index % self.every == 0:
+            return True
+        return index <= EARLY_UNTIL and index & (index - 1) == 0  # a power of two
 
     def due(self) -> bool:
         """Count one eligible step; whether it gets a replay."""
@@ -127,12 +135,13 @@ class Calibration:
 
     @property
     def factor(self) -> float | None:
-        """Measured interception over its per-op estimate, pooled over the last replays
-        (``None`` before the first)."""
-        estimate = sum(p.estimate for p in self.pairs)
-        if estimate <= 0:
+        """Measured interception over its per-op estimate: the median over the last
+        replays (``None`` before the first). A median, because one run of a pair that
+        another process preempted moves its pair by as much as the interception itself
+        on a loaded machine; the median of a few pairs does not follow it."""
+        if not self.pairs:
             return None
-        return max(0.0, sum(p.residual for p in self.pairs)) / estimate
+        return max(0.0, statistics.median(p.residual / p.estimate for p in self.pairs))
 
     @property
     def floor(self) -> float:

@@ -656,8 +656,9 @@ def protect(
     its modules is compiled (pass ``True`` for a compiled function that runs the model);
     ``calibrate_every`` (default 100): ``optimizer_step`` measures what interception
     really costs by running a watched step's closure once more with interception off,
-    its effects undone, on the second and third watched steps and then every
-    ``calibrate_every``-th (about 1 % of their time; ``sdc_guard.runtime.calibration``),
+    its effects undone, on the watched steps numbered 1, 2, 4, 8 and 16 and then every
+    ``calibrate_every``-th (in the long run about 1 % of their time;
+    ``sdc_guard.runtime.calibration``),
     so that ``StepReport.overhead`` is the guard's whole cost; ``None`` never replays (the
     closure then runs once per step, and the reported interception stays an estimate).
 
