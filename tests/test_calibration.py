@@ -232,3 +232,22 @@ def test_budget_window_wins_and_says_so() -> None:
     other = Budget(0.05, window=5, warmup=1)
     other.load_state_dict(state)
     assert other.state_dict() == state
+
+
+
+def test_budget_sweeps_only_once_an_unwatched_step_has_measured_the_base() -> None:
+    """After warm-up, the base is only the guard's account (step less what it said it
+    added); a sweep waits for an unwatched step to measure it, whatever the credit."""
+    site = ("fc", "forward", "mm")
+    sampler = Budget(10.0, warmup=1)  # credit for a sweep every step
+    sampler.begin_step(0)
+    sampler.end_step(StepCosts(0, 0.2, 0.01, {site: 0.01}, {site: 1}, 0.02))
+    watched = []
+    for step in range(1, 6):
+        sampler.begin_step(step)
+        watched.append(sampler.watches_step())
+        if watched[-1]:
+            sampler.end_step(StepCosts(step, 0.2, 0.01, {site: 0.01}, {site: 1}, 0.02))
+        else:
+            sampler.end_step(StepCosts(step, 0.1, 0.0))
+    assert watched == [False, True, True, True, True]

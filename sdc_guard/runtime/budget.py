@@ -24,9 +24,11 @@ class Budget:
     next step is watched and verifies every known site, and is charged what it really
     cost: its wall time over the unguarded step (never less than the guard's own account
     of it, ``StepCosts.guard_seconds``, which includes a calibration replay if the step
-    ran one). What a sweep costs is learned the same way: the moving average of what
-    sweeps were charged (a calibration replay's share left out: it is rare), and never
-    less than the verification of every site at its measured cost. Unwatched steps run
+    ran one). What a sweep costs is learned the same way: first the guard's own account of
+    the last warm-up step (a full sweep; the whole cost where the guard calibrates), then
+    the moving average of what sweeps were charged (a calibration replay's share left
+    out: it is rare); never less than the verification of every site at its measured
+    cost. No sweep comes before an unwatched step has measured the base. Unwatched steps run
     no mode and no hook; what the guard still does in them (the step's bookkeeping, the
     re-encoding after a sweep) is in their ``guard_seconds``, which is charged, and kept
     out of the base. With a full sweep costing ``F`` of a step, every site is verified
@@ -112,7 +114,8 @@ class Budget:
         assert self._base_seconds is not None
         earned = self.max_overhead * self._base_seconds
         self._credit = min(self._credit + earned, max(self._sweep_cost, earned))
-        self._sweep = self._credit >= self._sweep_cost or self._window_due(step)
+        # no sweep before an unwatched step has measured the base (and so what a sweep costs)
+        self._sweep = (self._base_measured and self._credit >= self._sweep_cost) or self._window_due(step)
 
     def _window_due(self, step: int) -> bool:
         """Whether some known site was last verified ``window`` steps ago (or longer)."""

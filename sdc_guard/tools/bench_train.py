@@ -430,6 +430,7 @@ def _render(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[st
                      "-" if base else pct(r["overhead"]),
                      pct(r.get("reported_overhead", float("nan"))),
                      pct(r["calibrated_share"]) if "calibrated_share" in r else "-",
+                     r.get("calibration_replays", "-"),
                      pct(r.get("verify_overhead", float("nan"))),
                      f"{r.get('gemms_verified_per_step', 0):.1f}/{r.get('gemms_seen_per_step', 0):.0f}" if "gemms_seen_per_step" in r else "-",
                      r.get("sites", "-"), r.get("max_gap_steps", "-"),
@@ -443,10 +444,11 @@ def _render(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[st
              "(StepReport.guard_seconds over the step time without it: interception calibrated by "
              "replays, bookkeeping, verification, the replays themselves); calibrated: share of those "
              "reports whose interception was measured, not estimated (StepReport.overhead_calibrated); "
-             "verify: verification alone", "",
-             table(["config", "step ms", "overhead", "median", "reported", "calibrated", "verify",
+             "replays: calibration replays among the measured steps (each about one more unguarded "
+             "run of the step, in both overhead and reported); verify: verification alone", "",
+             table(["config", "step ms", "overhead", "median", "reported", "calibrated", "replays", "verify",
                     "verified/seen GEMMs", "sites", "max gap", f"coverage({args.window})"], body,
-                   align="lrrrrrrrrrr"), ""]
+                   align="lrrrrrrrrrrr"), ""]
     by = {r["config"]: r for r in results}
     full = by["Full()"]
     alone_name, window_name = budget_names(args)
