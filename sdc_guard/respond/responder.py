@@ -62,8 +62,8 @@ class Responder:
         watched step (a detection needs verification) or one the gradient screen checks;
         an unwatched step pays nothing for it."""
         guard = self.guard
-        calibrating = guard.calibration_due(possible=closure is not None and (not replay or replay_started is not None),
-                                            first_run_started=replay_started if replay else None)
+        calibrating = guard.replays.due(closure is not None and (not replay or replay_started is not None),
+                                        first_run_started=replay_started if replay else None)
         started = time.perf_counter()
         state = None
         if guard.watching or guard.screens_gradients:
@@ -125,23 +125,23 @@ class Responder:
             with guard.unintercepted():
                 after = StepState.capture(guard.model, self._params, save_state=self.policy.save_state,
                                           restore_state=self.policy.restore_state)
-            guard.charge_calibration(time.perf_counter() - started)
+            guard.replays.charge(time.perf_counter() - started)
             try:
-                self._call(lambda: guard.run_bare(closure))
+                self._call(lambda: guard.replays.run_bare(closure))
             finally:
                 started = time.perf_counter()
                 with guard.unintercepted():
                     after.restore(self._params)
-                guard.charge_calibration(time.perf_counter() - started)
+                guard.replays.charge(time.perf_counter() - started)
             return loss
         try:
-            self._call(lambda: guard.run_bare(closure))
+            self._call(lambda: guard.replays.run_bare(closure))
         finally:
             started = time.perf_counter()
             with guard.unintercepted():
                 state.restore(self._params)  # gradients, generators, buffers, the user's state
-            guard.charge_calibration(time.perf_counter() - started)
-        return self._call(lambda: guard.run_guarded(closure))
+            guard.replays.charge(time.perf_counter() - started)
+        return self._call(lambda: guard.replays.run_guarded(closure))
 
     def _call(self, closure: Callable[[], Any]) -> Any:
         """Run the closure; if it raises, close the open step (its report keeps what ran,

@@ -177,9 +177,11 @@ def synchronize(model: nn.Module) -> None:
 
 
 class Replays:
-    """The guard's side of a calibration replay (``Guard.calibration_due``,
-    ``run_bare``, ``run_guarded``): interception switched off and on again, and the
-    timings and counts of the two runs, kept in the open step's ledger."""
+    """The guard's side of calibration replays (``Guard.replays``, which
+    ``optimizer_step``'s responder drives: ``due``, then ``run_bare`` with the step's
+    closure, the state put back (``charge`` its time), then ``run_guarded``):
+    interception switched off and on again, and the timings and counts of the two runs,
+    kept in the open step's ledger."""
 
     def __init__(self, guard: "Guard", every: int | None) -> None:
         self.guard = guard
@@ -235,7 +237,7 @@ class Replays:
         """Run ``fn`` with interception off (no mode, no hooks), timed; all of it,
         switching included, is the replay's cost."""
         g, ledger = self.guard, self.guard._ledger
-        assert ledger.replay is not None, "run_bare() without calibration_due()"
+        assert ledger.replay is not None, "run_bare() without due()"
         started = time.perf_counter()
         self.bare = True
         g._sites.stop()
@@ -259,7 +261,7 @@ class Replays:
         ops and module calls it intercepted in between: the pair's other side."""
         g, ledger = self.guard, self.guard._ledger
         replay = ledger.replay
-        assert replay is not None, "run_guarded() without calibration_due()"
+        assert replay is not None, "run_guarded() without due()"
         synchronize(g.model)
         hooks, events, (ops, calls) = ledger.hook_seconds, ledger.clock.events, self._counts()
         began = time.perf_counter()

@@ -121,8 +121,9 @@ class Guard:
         self._gradient_screen: GradientScreen | None = None  #: the open step's, for its report
         self._provisional = False  #: the open step was opened in advance (``begin_step``)
         self._screen_tried = False  #: optimizer_step screened (or tried to) the open step
-        #: calibration replays: interception's real cost, measured (``runtime.calibration``)
-        self._replays = Replays(self, calibrate_every)
+        #: calibration replays, driven by ``optimizer_step``'s responder: interception's
+        #: real cost, measured (``sdc_guard.runtime.calibration``)
+        self.replays = Replays(self, calibrate_every)
 
     # --- step lifecycle ------------------------------------------------------------------
 
@@ -191,32 +192,6 @@ class Guard:
         else:
             self._carry += seconds
 
-    # --- calibration replays (runtime.calibration), driven by the responder ----------------
-
-    def calibration_due(self, *, possible: bool = True, first_run_started: float | None = None) -> bool:
-        """Whether ``optimizer_step`` replays the open step bare now, to measure what
-        interception costs (``sdc_guard.runtime.calibration``): on the watched steps the
-        model's calibration picks, when nothing but this guard intercepts. Then call
-        ``run_bare(closure)``, put back what it changed, and run the step through
-        ``run_guarded``; ``first_run_started`` (replay mode): the step already ran
-        guarded, from then until now. ``possible``: whether the caller has a closure to
-        replay; call it on every step all the same (ranks agree on replays)."""
-        return self._replays.due(possible, first_run_started)
-
-    def run_bare(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` (the step's closure) with interception fully off, timed; charged to
-        the open step as calibration."""
-        return self._replays.run_bare(fn)
-
-    def run_guarded(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` (the step's closure) under the guard, timed: the replay's pair."""
-        return self._replays.run_guarded(fn)
-
-    def charge_calibration(self, seconds: float) -> None:
-        """Count ``seconds`` of a replay's own work (capturing and restoring the state it
-        changes) in the open step's calibration cost."""
-        self._replays.charge(seconds)
-
     @contextlib.contextmanager
     def unintercepted(self) -> Iterator[None]:
         """The guard's own work (the responder capturing and restoring a step's state):
@@ -259,11 +234,11 @@ class Guard:
             # a block that ran no GEMM (an unwatched step is still a step), or the step
             # optimizer_step opened after the block's last one: what the guard spent in
             # it goes to the next report
-            self._carry += self._ledger.guard_seconds(round_trip, module_hook, self._replays.calibration.factor)
+            self._carry += self._ledger.guard_seconds(round_trip, module_hook, self.replays.calibration.factor)
             return None
         report = self._ledger.report(self.step_index, self._attempt, self.rank, watched=self._watching,
                                      stats=self.screen_stats, round_trip=round_trip, module_hook=module_hook,
-                                     calibration=self._replays.calibration)
+                                     calibration=self.replays.calibration)
         screened = self._gradient_screen
         if not self._screen_tried and report.attempt == 0 and self.screens_gradients:
             self._warn_once("unscreened", "sdc_guard: the sampler screens gradients, but only "
@@ -413,7 +388,7 @@ class Guard:
         profiler inside ``protect()``), an unwatched step keeps ours in place rather than
         pop the wrong one, and ``on_gemm`` ignores what it sees.
         """
-        wanted = self._active and self._watching and not self._paused and not self._replays.bare
+        wanted = self._active and self._watching and not self._paused and not self.replays.bare
         if wanted and self._mode is None:
             if self.compiled:
                 self._mode = GemmFunctionMode()
