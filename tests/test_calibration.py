@@ -67,7 +67,10 @@ def test_replays_run_on_watched_steps_1_2_4_8_16_and_every_nth_and_are_charged()
     for o in outcomes[1:]:  # from the first replay on, every report applies the measured factor
         r = o.report
         assert r.overhead_calibrated and r.interception_factor is not None and r.interception_factor >= 0
-        assert r.interception_seconds == pytest.approx(r.interception_factor * r.interception_estimate_seconds)
+        # the factor times the estimate, cut only where it would leave the step less time than
+        # its fastest bare run (a factor from a disturbed pool)
+        assert 0 <= r.interception_seconds <= r.interception_factor * r.interception_estimate_seconds + 1e-12
+        assert r.guard_seconds >= r.interception_seconds + r.calibration_seconds
     fresh = BNNet()  # the calibration lives with the model: another model starts its own
     assert (calibration_of(fresh, 3).replays, calibration_of(fresh, 3).factor) == (0, None)
 

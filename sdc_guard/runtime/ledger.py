@@ -191,9 +191,14 @@ class StepLedger:
             calibration.add(pair)
         scale = calibration.factor if calibration is not None else None
         estimate = self.interception_estimate(round_trip, module_hook)
-        # the unguarded step takes at least the fastest bare run of its closure measured
+        # the unguarded step takes at least the fastest bare run of its closure measured: a
+        # factor a disturbed pool made too large gives way (interception only, what the
+        # guard timed itself stands)
         floor = calibration.floor if calibration is not None and scale is not None else 0.0
-        guard_seconds = max(0.0, min(self.guard_seconds(round_trip, module_hook, scale), step_seconds - floor))
+        measured = self.measured_seconds()
+        interception = estimate * (1.0 if scale is None else scale)
+        interception = max(0.0, min(interception, step_seconds - floor - measured))
+        guard_seconds = min(measured + interception, step_seconds)
         base = max(step_seconds - guard_seconds, 1e-12)  # the step without the guard
         return StepReport(
             step=step, seen=self.seen, verified=len(self.pending), flagged=len(detections),
@@ -202,7 +207,7 @@ class StepLedger:
             overhead=guard_seconds / base, verify_overhead=verify_seconds / base,
             guard_seconds=guard_seconds, intercepted_ops=self.ops,
             interception_estimate_seconds=estimate,
-            interception_seconds=estimate * (1.0 if scale is None else scale),
+            interception_seconds=interception,
             interception_factor=scale, overhead_calibrated=scale is not None or estimate == 0.0,
             calibration_seconds=self.calibration_seconds,
             overflow=sum(1 for s in summaries if s[2] > 0),

@@ -92,7 +92,9 @@ class StepReport:
     #: True: ``guard_seconds`` is the guard's whole cost (interception calibrated by paired
     #: replays, or nothing intercepted); False: interception is the per-op estimate, a lower bound
     overhead_calibrated: bool = False
-    interception_seconds: float = 0.0  #: interception's share of guard_seconds (calibrated or estimated)
+    #: interception's share of guard_seconds: interception_factor x the estimate (or the
+    #: estimate itself), cut to what the step leaves beside the fastest bare run measured
+    interception_seconds: float = 0.0
     #: the per-op estimate of interception, uncalibrated (a lower bound)
     interception_estimate_seconds: float = 0.0
     #: measured interception / its per-op estimate, from this model's calibration replays
