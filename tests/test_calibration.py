@@ -254,3 +254,34 @@ def test_budget_sweeps_only_once_an_unwatched_step_has_measured_the_base() -> No
         else:
             sampler.end_step(StepCosts(step, 0.1, 0.0))
     assert watched == [False, True, True, True, True]
+
+
+class _CountingBudget(Budget):
+    """Budget, counting its begin_step calls per step number."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.begun: list[int] = []
+
+    def begin_step(self, step: int) -> None:
+        self.begun.append(step)
+        super().begin_step(step)
+
+
+@pytest.mark.parametrize("new_guard_each_step", [False, True])
+def test_a_sampler_begins_each_step_once_with_one_block_per_step(new_guard_each_step: bool) -> None:
+    """optimizer_step opens the next step ahead (begin_step), the block's exit drops it
+    unreported, the next block opens it again: the sampler must not begin it twice, or
+    Budget earns its credit twice per step (and spent twice its budget)."""
+    torch.manual_seed(0)
+    model = BNNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = _CountingBudget(0.05, warmup=1)
+    guard = sdc_guard.protect(model, sampler=sampler)
+    for step in range(6):
+        x, y = _batch(step)
+        if new_guard_each_step:
+            guard = sdc_guard.protect(model, sampler=sampler)
+        with guard:
+            guard.optimizer_step(opt, lambda: F.cross_entropy(model(x), y).backward())
+    assert sampler.begun == list(range(7))  # step 6: opened ahead by the last optimizer_step

@@ -44,6 +44,7 @@ from .warn_once import warnings_of
 from .checks import MetricsSink, check_backend, check_guard_arguments, check_metrics_sink, current_rank  # noqa: F401  (also importable here)
 from .optimizer_steps import OptimizerSteps
 from .schedule import current_step, set_current_step  # noqa: F401  (also importable here)
+from .schedule import note_sampler_begun, sampler_begun
 
 #: The guards active on each thread, outermost first (``Guard.owns_outside_gemm``).
 _thread_guards = threading.local()
@@ -165,7 +166,9 @@ class Guard:
             self._attempt = last.attempt + 1
         else:
             self._attempt = 0
-            self.sampler.begin_step(self.step_index)
+            if not sampler_begun(self.model, self.sampler, self.step_index):  # begun ahead, then dropped
+                self.sampler.begin_step(self.step_index)
+                note_sampler_begun(self.model, self.sampler, self.step_index)
         self._watching = rerun or sampler_watches(self.sampler)
         self._optimizers.reset()
         if self._watching:
@@ -255,6 +258,7 @@ class Guard:
         self.publish("observe_report", report)
         if report.attempt == 0:
             self.sampler.end_step(self._ledger.costs(report))
+            note_sampler_begun(self.model, self.sampler, None)
         set_current_step(self.model, report.step + 1)
         return report
 
@@ -304,12 +308,12 @@ class Guard:
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if closure is not None and not callable(closure):
             raise TypeError(f"closure: expected a callable or None, got {type(closure).__name__}")
-        if self._responder is None or self._responder.optimizer is not optimizer:
-            self._responder = Responder(self, optimizer, self.policy, self.snapshots, step_fn)
-            self.snapshots = self._responder.snapshots
         if replay_started is not None and (isinstance(replay_started, bool) or not isinstance(replay_started, (int, float))):
             raise TypeError(f"replay_started: expected a time.perf_counter() value or None, "
                             f"got {type(replay_started).__name__} {replay_started!r}")
+        if self._responder is None or self._responder.optimizer is not optimizer:
+            self._responder = Responder(self, optimizer, self.policy, self.snapshots, step_fn)
+            self.snapshots = self._responder.snapshots
         return self._responder.run(closure, replay=replay, loss=loss, replay_started=replay_started)
 
     @property
