@@ -62,9 +62,9 @@ class Responder:
         watched step (a detection needs verification) or one the gradient screen checks;
         an unwatched step pays nothing for it."""
         guard = self.guard
+        started = time.perf_counter()
         calibrating = guard.replays.due(closure is not None and (not replay or replay_started is not None),
                                         first_run_started=replay_started if replay else None)
-        started = time.perf_counter()
         state = None
         if guard.watching or guard.screens_gradients:
             with guard.unintercepted():
@@ -81,11 +81,13 @@ class Responder:
             state.first_run_done()
         screened = guard.screen_gradients(self._params)  # None unless the sampler screens
         report = guard.end_step()
+        started = time.perf_counter()  # the guard's bookkeeping from here on is charged to the next report
         if screened is None:
             flagged, tripped = distributed.flagged_ranks(report.flagged > 0), []
         else:
             flagged, tripped = distributed.step_flags(report.flagged > 0, screened.tripped)
         outcome = StepOutcome(report.step, loss, report, flagged, tripped_ranks=tripped)
+        bookkeeping = time.perf_counter() - started
         try:
             if outcome.flagged_ranks:
                 assert state is not None, "a detection on a step that was not watched"
@@ -101,14 +103,16 @@ class Responder:
             else:
                 self._step_fn()
         finally:  # raise and exit are responses too: record them
+            started = time.perf_counter()
             guard.outcomes.append(outcome)
             guard.publish("observe_outcome", outcome)
-        guard.refresh_weights()  # encode the updated weights now, while known fresh
+            bookkeeping += time.perf_counter() - started
+        guard.refresh_weights()  # encode the updated weights now, while known fresh (charges itself)
         started = time.perf_counter()
         if outcome.stepped or outcome.action == "skip":
             with guard.unintercepted():  # reads the model only: the guard's own work, not the model's ops
                 self.snapshots.after_step(report.step)  # never raises: a failing disk warns once
-        guard.charge(time.perf_counter() - started)  # no step is open: the next report's
+        guard.charge(bookkeeping + time.perf_counter() - started)  # no step is open: the next report's
         guard.begin_step(provisional=True)
         return outcome
 

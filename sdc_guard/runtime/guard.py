@@ -242,6 +242,7 @@ class Guard:
         report = self._ledger.report(self.step_index, self._attempt, self.rank, watched=self._watching,
                                      stats=self.screen_stats, round_trip=round_trip, module_hook=module_hook,
                                      calibration=self.replays.calibration)
+        started = time.perf_counter()  # what follows the report is charged to the next one
         screened = self._gradient_screen
         if not self._screen_tried and report.attempt == 0 and self.screens_gradients:
             self._warn_once("unscreened", "sdc_guard: the sampler screens gradients, but only "
@@ -260,6 +261,7 @@ class Guard:
             self.sampler.end_step(self._ledger.costs(report))
             note_sampler_begun(self.model, self.sampler, None)
         set_current_step(self.model, report.step + 1)
+        self._carry += time.perf_counter() - started
         return report
 
     def step(self) -> StepReport:
@@ -364,11 +366,13 @@ class Guard:
         """Start intercepting GEMMs (the step lifecycle is separate)."""
         if self._active:
             raise RuntimeError("this Guard is already active")
+        started = time.perf_counter()
         self._active = True
         _active_guards().append(self)
         self.cache.invalidate()  # whatever was written while inactive went unobserved
         self._sync_optimizer_hooks()
         self._sync_mode()
+        self.charge(time.perf_counter() - started)
 
     def deactivate(self) -> None:
         """Stop intercepting; an open step stays open."""
@@ -376,9 +380,11 @@ class Guard:
         guards = _active_guards()
         if self in guards:
             guards.remove(self)
+        started = time.perf_counter()
         self._optimizers.remove()
         self._sync_mode()
         self._interceptor = None  # the next activation builds its own (handlers added since included)
+        self.charge(time.perf_counter() - started)
 
     @property
     def intercepting(self) -> bool:
