@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from sdc_guard.runtime.calibration import DEFAULT_EVERY as DEFAULT_CALIBRATE_EVERY, check_calibrate_every
 from sdc_guard.runtime.checks import check_backend
 from sdc_guard.runtime.guard import Guard
 from sdc_guard.runtime.schedule import current_step, set_current_step
@@ -66,6 +67,29 @@ def replace_method(obj: Any, name: str, function: Callable[..., Any]) -> Callabl
     return undo
 
 
+def overhead_line(reports: list[StepReport]) -> str:
+    """What the guard cost the recent steps (re-executions and calibration replays
+    included), as one line: its time over the steps' time without it, and whether that
+    is measured (every report calibrated) or, in part, the per-op estimate of
+    interception, a lower bound.
+
+    >>> r = StepReport(0, 0, 0, 0, [], {}, 0.0, 1.2, 0.2, guard_seconds=0.2, overhead_calibrated=True)
+    >>> overhead_line([r, r])
+    '20.0 % of the step time without the guard (measured: interception calibrated by paired replays)'
+    """
+    guard = sum(r.guard_seconds for r in reports)
+    rest = sum(r.step_seconds - r.guard_seconds for r in reports)
+    ratio = guard / rest if rest > 0 else 0.0
+    if not reports:
+        how = "no step reported"
+    elif all(r.overhead_calibrated for r in reports):
+        how = "measured: interception calibrated by paired replays"
+    else:
+        estimated = sum(1 for r in reports if not r.overhead_calibrated)
+        how = f"interception estimated per op, a lower bound, in {estimated} of {len(reports)} steps"
+    return f"{100 * ratio:.1f} % of the step time without the guard ({how})"
+
+
 class GuardedTraining:
     """Verify every training GEMM; respond to silent data corruption; export metrics.
 
@@ -92,6 +116,10 @@ class GuardedTraining:
         log_every_n_steps: how often routine per-step values go to the trainer's
             loggers. Default ``None``: at the trainer's own interval. A step with a
             detection (and so with a response) is always logged.
+        calibrate_every: watched steps between calibration replays, which measure
+            what interception really costs (``protect``'s argument of that name;
+            default 100, about 1 % of those steps' time; ``None``: never, and
+            ``sdc/overhead`` stays an estimate, a lower bound).
     """
 
     def __init__(
@@ -108,7 +136,9 @@ class GuardedTraining:
         metrics_address: str = "127.0.0.1",
         pushgateway: str | None = None,
         log_every_n_steps: int | None = None,
+        calibrate_every: int | None = DEFAULT_CALIBRATE_EVERY,
     ) -> None:
+        check_calibrate_every(calibrate_every)
         if sampler is not None:
             check_sampler(sampler, stateful=True)  # its state goes into the framework's checkpoints
         if policy is not None and not isinstance(policy, Policy):
@@ -146,6 +176,7 @@ class GuardedTraining:
         self.metrics_address = metrics_address
         self.pushgateway = pushgateway
         self.log_every_n_steps = log_every_n_steps
+        self.calibrate_every = calibrate_every
         self.metrics: GuardMetrics | None = None
         self.metrics_url: str | None = None
         self.guard: Guard | None = None
@@ -170,7 +201,7 @@ class GuardedTraining:
         an earlier fit's; where no state said it (a fresh run, a checkpoint without it),
         it starts at ``trainer_step``, the trainer's count of optimizer steps done."""
         self.guard = Guard(model, sampler=self.sampler, e_max=self.e_max, backend=self.backend,
-                           policy=self.policy, metrics=self.metrics, rank=rank)
+                           policy=self.policy, metrics=self.metrics, rank=rank, calibrate_every=self.calibrate_every)
         set_current_step(model, self._next_step if self._next_step is not None else trainer_step)
         if self.verify_validation:
             # reports only: validation steps are not training steps, so no metrics sink
@@ -185,7 +216,7 @@ class GuardedTraining:
 
     def guarded_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None, *,
                      step_fn: Callable[[], Any], snapshots: SnapshotStore, replay: bool = False,
-                     loss: Any = None) -> StepOutcome:
+                     loss: Any = None, replay_started: float | None = None) -> StepOutcome:
         """``Guard.optimizer_step`` with this run's snapshots; every outcome is counted,
         that of a ``raise`` or ``exit`` response too."""
         guard = self.guard
@@ -194,7 +225,7 @@ class GuardedTraining:
         guard.snapshots = snapshots
         try:
             outcome = guard.optimizer_step(optimizer, closure, step_fn=step_fn,
-                                           replay=replay, loss=loss)
+                                           replay=replay, loss=loss, replay_started=replay_started)
         except (SDCError, SDCExit) as exc:
             self.record(exc.outcome)
             raise
@@ -227,13 +258,17 @@ class GuardedTraining:
 
     def step_values(self, outcome: StepOutcome) -> dict[str, float]:
         """The per-step values for the loggers: ``sdc/flag``, ``sdc/gemms_verified``,
-        ``sdc/overhead``, and on a step with a detection ``sdc/loss``, the loss handed
-        back (a host read of a device tensor, on those steps only)."""
+        ``sdc/overhead`` (``StepReport.overhead``: the guard's cost in the step, a
+        calibration replay included on the steps that ran one), ``sdc/overhead_calibrated``
+        (1: that is the whole cost, measured; 0: its interception part is the per-op
+        estimate, a lower bound), and on a step with a detection ``sdc/loss``, the loss
+        handed back (a host read of a device tensor, on those steps only)."""
         report = outcome.report
         values = {
             "sdc/flag": float(outcome.detected),
             "sdc/gemms_verified": float(report.verified),
             "sdc/overhead": float(report.overhead),
+            "sdc/overhead_calibrated": float(report.overhead_calibrated),
         }
         if outcome.detected:
             loss = self.handed_back_loss(outcome)
@@ -292,8 +327,6 @@ class GuardedTraining:
     def summary(self) -> str:
         """A few lines a person reads at a glance."""
         guard = self.guard
-        overheads = [r.overhead for r in guard.reports if r.attempt == 0] if guard else []
-        mean_overhead = sum(overheads) / len(overheads) if overheads else 0.0
         lines = [
             "sdc-guard summary",
             f"  steps guarded      {self.totals['steps']}",
@@ -302,7 +335,7 @@ class GuardedTraining:
             + (f"  ({', '.join(f'{k}: {v}' for k, v in sorted(self.classifications.items()))})"
                if self.classifications else ""),
             f"  responses          {', '.join(f'{k}: {v}' for k, v in sorted(self.responses.items())) or 'none'}",
-            f"  overhead (recent)  {100 * mean_overhead:.1f} % of step time",
+            f"  overhead (recent)  {overhead_line(list(guard.reports) if guard else [])}",
         ]
         if guard is not None:
             for outcome in guard.outcomes:

@@ -39,7 +39,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
-from sdc_guard.integrations.guarded_training import DEFAULT_METRICS_PORT, GuardedTraining, replace_method
+from sdc_guard.integrations.guarded_training import (DEFAULT_CALIBRATE_EVERY, DEFAULT_METRICS_PORT, GuardedTraining,
+                                                     replace_method)
 from sdc_guard.respond.policy import Policy
 from sdc_guard.runtime.sampling import Sampler
 
@@ -74,6 +75,12 @@ class SDCGuard(GuardedTraining, Callback):
         log_every_n_steps: how often routine per-step values go to the trainer's
             loggers. Default ``None``: at ``Trainer(log_every_n_steps)``. A step with a
             detection is always logged; ``trainer.callback_metrics`` has every step's.
+        calibrate_every: watched steps between calibration replays: Lightning's closure
+            run once more with interception off, its effects undone, to measure what
+            interception costs (``protect``'s argument; default 100; ``None``: never,
+            and ``sdc/overhead`` stays an estimate). The closure must be safe to run
+            again, as a re-execution already needs; what a module logs in
+            ``training_step`` is logged again on those steps.
 
     Every argument is checked here: a bad one raises ``TypeError`` / ``ValueError``
     naming it, before any training step.
@@ -97,11 +104,13 @@ class SDCGuard(GuardedTraining, Callback):
         metrics_address: str = "127.0.0.1",
         pushgateway: str | None = None,
         log_every_n_steps: int | None = None,
+        calibrate_every: int | None = DEFAULT_CALIBRATE_EVERY,
     ) -> None:
         GuardedTraining.__init__(
             self, sampler=sampler, policy=policy, snapshot_every=snapshot_every, checkpoint_dir=checkpoint_dir,
             e_max=e_max, backend=backend, verify_validation=verify_validation, metrics_port=metrics_port,
-            metrics_address=metrics_address, pushgateway=pushgateway, log_every_n_steps=log_every_n_steps)
+            metrics_address=metrics_address, pushgateway=pushgateway, log_every_n_steps=log_every_n_steps,
+            calibrate_every=calibrate_every)
         Callback.__init__(self)
         self._undo: list[Callable[[], None]] = []
         self._steps_at_batch_start = 0

@@ -25,6 +25,12 @@ subclass's overrides stay in force):
   detection in any micro-batch of gradient accumulation is therefore re-executed, not
   skipped.
 
+The same replay measures what interception costs (``calibrate_every``; the guard's
+calibration, ``sdc_guard.runtime.calibration``): on the steps it picks, after the guarded
+run, the step's micro-batches run once more with interception off, timed against the
+guarded run (from the first micro-batch to the optimizer step), and the gradients,
+generators and buffers the guarded run left are put back.
+
 Re-executing inside ``training_step`` instead was rejected: the Trainer clips the
 gradients, logs their norm and runs ``on_pre_optimizer_step`` between the backward and the
 optimizer step, and all of that must see the gradients the optimizer will use.
@@ -66,6 +72,7 @@ import copy
 import functools
 import inspect
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -79,7 +86,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
         "sdc_guard.integrations.transformers needs the transformers and accelerate packages: "
         "pip install 'sdc-guard[transformers]'") from exc
 
-from sdc_guard.integrations.guarded_training import DEFAULT_METRICS_PORT, GuardedTraining, replace_method
+from sdc_guard.integrations.guarded_training import (DEFAULT_CALIBRATE_EVERY, DEFAULT_METRICS_PORT, GuardedTraining,
+                                                     replace_method)
 from sdc_guard.respond.policy import Policy
 from sdc_guard.runtime.sampling import Sampler
 from sdc_guard.respond.snapshot import SnapshotStore
@@ -170,6 +178,11 @@ class SDCGuardCallback(GuardedTraining, TrainerCallback):
         log_every_n_steps: how often routine per-step values are logged. Default
             ``None``: when the Trainer logs (``logging_steps``). A step with a detection
             is always logged.
+        calibrate_every: watched steps between calibration replays: the step's
+            micro-batches run once more with interception off, after the guarded run,
+            and what that run left is put back, to measure what interception costs
+            (``protect``'s argument; default 100; ``None``: never, and ``sdc/overhead``
+            stays an estimate).
 
     Example::
 
@@ -190,16 +203,19 @@ class SDCGuardCallback(GuardedTraining, TrainerCallback):
         metrics_address: str = "127.0.0.1",
         pushgateway: str | None = None,
         log_every_n_steps: int | None = None,
+        calibrate_every: int | None = DEFAULT_CALIBRATE_EVERY,
     ) -> None:
         GuardedTraining.__init__(
             self, sampler=sampler, policy=policy, snapshot_every=snapshot_every, checkpoint_dir=checkpoint_dir,
             e_max=e_max, backend=backend, verify_validation=verify_validation, metrics_port=metrics_port,
-            metrics_address=metrics_address, pushgateway=pushgateway, log_every_n_steps=log_every_n_steps)
+            metrics_address=metrics_address, pushgateway=pushgateway, log_every_n_steps=log_every_n_steps,
+            calibrate_every=calibrate_every)
         self._trainer: Trainer | None = None
         self._training_step: Callable[..., Any] | None = None  #: the Trainer's own
         self._undo: list[Callable[[], None]] = []
         self._snapshots: SnapshotStore | None = None
         self._start: _StepStart | None = None
+        self._started: float | None = None  #: when the step's first micro-batch began
         self._micro: list[_MicroBatch] = []
         self._losses: list[Any] = []
         self._steps_at_step_begin = 0
@@ -220,7 +236,7 @@ class SDCGuardCallback(GuardedTraining, TrainerCallback):
         wrapped = trainer.optimizer  # accelerate's AcceleratedOptimizer around the torch one
         inner = getattr(wrapped, "optimizer", wrapped)
         self._snapshots = self.snapshot_store(model, inner)
-        self._micro, self._losses, self._start = [], [], None
+        self._micro, self._losses, self._start, self._started = [], [], None, None
         self._patch_training_step(trainer, inner)
         self._patch_optimizer_step(trainer, wrapped, inner)
         if self.verify_validation:
@@ -260,7 +276,7 @@ class SDCGuardCallback(GuardedTraining, TrainerCallback):
             self._undo.pop()()
         self.finish()
         self.close_metrics()
-        self._micro, self._losses, self._start = [], [], None
+        self._micro, self._losses, self._start, self._started = [], [], None, None
 
     def _require_guard(self) -> Any:
         if self.guard is None:
@@ -276,7 +292,12 @@ class SDCGuardCallback(GuardedTraining, TrainerCallback):
 
         def training_step(trainer_self: Trainer, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             if not callback._micro:  # the step's first micro-batch
-                callback._start = _StepStart.capture(params)
+                guard = callback._require_guard()
+                began = time.perf_counter()
+                with guard.unintercepted():  # the guard's own work, not the model's ops
+                    callback._start = _StepStart.capture(params)
+                guard.charge(time.perf_counter() - began)
+                callback._started = time.perf_counter()  # the step's first run, for a calibration replay
             # a shallow copy: the Trainer may pop keys from the dict it was given
             callback._micro.append(_MicroBatch(model, copy.copy(inputs), args, kwargs))
             try:
@@ -297,14 +318,16 @@ class SDCGuardCallback(GuardedTraining, TrainerCallback):
 
         def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             start, micro, loss = callback._start, callback._micro, _total(callback._losses)
-            callback._micro, callback._losses, callback._start = [], [], None
+            started = callback._started
+            callback._micro, callback._losses, callback._start, callback._started = [], [], None, None
             scaler = getattr(trainer.accelerator, "scaler", None)
             rerun = None if scaler is not None or start is None else functools.partial(
                 callback._replay, trainer, start, micro)
             assert callback._snapshots is not None
             try:
                 callback.guarded_step(inner, rerun, step_fn=lambda: original(*args, **kwargs),
-                                                snapshots=callback._snapshots, replay=True, loss=loss)
+                                      snapshots=callback._snapshots, replay=True, loss=loss,
+                                      replay_started=started)
             except BaseException:
                 callback._stop()
                 raise

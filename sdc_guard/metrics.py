@@ -31,10 +31,12 @@ name                                           type       labels besides ``rank`
 ``sdc_guard_gradient_screen_ratio``            gauge      last step's worst norm/reference
 ``sdc_guard_verify_seconds_total``             counter    verification time, all runs
 ``sdc_guard_guard_seconds_total``              counter    all the guard added, all runs
+``sdc_guard_calibration_seconds_total``        counter    the part calibration replays took
 ``sdc_guard_step_seconds_total``               counter    step wall time, all runs
 ``sdc_guard_step``                             gauge      number of the last step
 ``sdc_guard_step_flagged``                     gauge      1 if the last step flagged
-``sdc_guard_overhead_ratio``                   gauge      last step's whole guard overhead
+``sdc_guard_overhead_ratio``                   gauge      last step's guard overhead
+``sdc_guard_overhead_calibrated``              gauge      1: that is the whole cost, measured
 ``sdc_guard_verify_overhead_ratio``            gauge      last step's verification overhead
 ``sdc_guard_overhead_budget_ratio``            gauge      the budget (only if given)
 ``sdc_guard_worst_check_ratio``                gauge      last step's largest screen D/T
@@ -49,8 +51,12 @@ Choices, and why:
   sampler's coverage and one corrupted GEMM counts once; re-executions (which verify
   everything) are counted apart, and their time is in the seconds counters, because it
   is real cost. Long-run overhead is ``rate(guard) / (rate(step) - rate(guard))`` (the
-  guard's whole cost: interception, bookkeeping, verification), which is what the alert
-  on the budget uses; the per-step gauges are for dashboards.
+  guard's whole cost: interception, bookkeeping, verification, calibration replays),
+  which is what the alert on the budget uses; the per-step gauges are for dashboards (a
+  step that ran a calibration replay shows its cost: about one more unguarded run).
+  Interception is measured by the replays (``sdc_guard.runtime.calibration``);
+  ``sdc_guard_overhead_calibrated`` is 0 while it is still the per-op estimate, a lower
+  bound (observation-only blocks, ``calibrate_every=None``, before the first replay).
 - Detections are counted on the rank(s) whose GEMMs flagged (``outcome.flagged_ranks``)
   or whose gradient screen tripped (``outcome.tripped_ranks``) into a confirmed detection;
   responses on every rank, since every rank takes the response in lockstep.
@@ -233,8 +239,12 @@ class GuardMetrics:
         self._verify_seconds = c("sdc_guard_verify_seconds",
                                  "Verification time, re-executions included.").labels(rank=r)
         self._guard_seconds = c("sdc_guard_guard_seconds",
-                                "Everything the guard added to steps (interception, bookkeeping, verification; "
-                                "interception estimated per op), re-executions included.").labels(rank=r)
+                                "Everything the guard added to steps (interception, bookkeeping, verification, "
+                                "calibration replays; interception measured by the replays, or estimated per op "
+                                "where sdc_guard_overhead_calibrated is 0), re-executions included.").labels(rank=r)
+        self._calibration_seconds = c("sdc_guard_calibration_seconds",
+                                      "Time calibration replays took (the closure run bare to measure "
+                                      "interception; part of sdc_guard_guard_seconds_total).").labels(rank=r)
         self._step_seconds = c("sdc_guard_step_seconds",
                                "Guarded step wall time, re-executions included.").labels(rank=r)
         for name in CLASSIFICATIONS:  # start at 0: increase() must see the first one
@@ -246,8 +256,12 @@ class GuardMetrics:
         self._step = g("sdc_guard_step", "Number of the last step reported.")
         self._step_flagged = g("sdc_guard_step_flagged", "1 if the last step flagged a GEMM, else 0.")
         self._overhead = g("sdc_guard_overhead_ratio",
-                           "What the guard added / step time without it (interception, bookkeeping, verification), "
-                           "last step.")
+                           "What the guard added / step time without it (interception, bookkeeping, verification, "
+                           "a calibration replay if the step ran one), last step.")
+        self._overhead_calibrated = g("sdc_guard_overhead_calibrated",
+                                      "1 if the last step's overhead is the guard's whole cost, measured (interception "
+                                      "calibrated by paired replays); 0 if interception is the per-op estimate, a "
+                                      "lower bound.")
         self._verify_overhead = g("sdc_guard_verify_overhead_ratio",
                                   "Verification time alone / step time without it, last step.")
         self._worst_ratio = g("sdc_guard_worst_check_ratio",
@@ -276,6 +290,7 @@ class GuardMetrics:
         now = time.time()
         self._verify_seconds.inc(max(report.verify_seconds, 0.0))
         self._guard_seconds.inc(max(report.guard_seconds, 0.0))
+        self._calibration_seconds.inc(max(report.calibration_seconds, 0.0))
         self._step_seconds.inc(max(report.step_seconds, 0.0))
         self._screen_misses.inc(max(report.screen_misses, 0))
         self._segments.inc(max(report.segments, 0))
@@ -288,6 +303,7 @@ class GuardMetrics:
         self._step.set(report.step)
         self._step_flagged.set(1 if report.flagged else 0)
         self._overhead.set(report.overhead)
+        self._overhead_calibrated.set(1 if report.overhead_calibrated else 0)
         self._verify_overhead.set(report.verify_overhead)
         self._worst_ratio.set(report.worst_ratio)
         if report.gradient_screened:

@@ -90,8 +90,12 @@ def test_clean_run_with_defaults_logs_and_summarises(tmp_path: Path, capsys) -> 
     assert [o.step for o in callback.outcomes] == list(range(6)) and len(callback.reports) == 6
     assert trainer.callback_metrics["sdc/flag"] == 0
     assert trainer.callback_metrics["sdc/gemms_verified"] == 21
+    # Lightning's closure is replayed bare on the guard's watched steps 1, 2 and 4
+    assert [r.step for r in callback.reports if r.calibration_seconds > 0] == [1, 2, 4]
+    assert trainer.callback_metrics["sdc/overhead_calibrated"] == 1.0
     out = capsys.readouterr().out
     assert "sdc-guard summary" in out and "steps guarded      6" in out and "detections         0" in out
+    assert "in 1 of 6 steps" in out  # the first step's interception, before any replay, is the estimate
     rows = (Path(trainer.logger.log_dir) / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
 

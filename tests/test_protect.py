@@ -101,10 +101,14 @@ def test_mlp_counts_gemms_per_phase_and_flags_none() -> None:
     assert r.by_kind[("addmm", "forward", "float32")].verified == 2
     assert r.by_kind[("mm", "backward", "float32")].verified == 3
     assert r.verify_seconds > 0 and r.step_seconds > r.verify_seconds
-    assert r.verify_overhead == pytest.approx(r.verify_seconds / (r.step_seconds - r.verify_seconds))
+    # both over the step without the guard
+    assert r.verify_overhead == pytest.approx(r.verify_seconds / (r.step_seconds - r.guard_seconds))
     # the whole cost: verification, the hooks' bookkeeping, and a round trip per intercepted op
     assert r.intercepted_ops > r.seen and r.step_seconds > r.guard_seconds > r.verify_seconds
     assert r.overhead == pytest.approx(r.guard_seconds / (r.step_seconds - r.guard_seconds))
+    # an observation-only block has no closure to replay: its interception is the estimate
+    assert not r.overhead_calibrated and r.interception_factor is None and r.calibration_seconds == 0
+    assert r.interception_seconds == r.interception_estimate_seconds > 0
 
 
 def test_the_work_between_steps_is_in_the_next_report() -> None:

@@ -80,16 +80,24 @@ def test_clean_run_verifies_every_gemm_logs_and_serves_metrics(tmp_path: Path, c
     assert {("addmm", "forward", "float32"), ("mm", "backward", "float32"), ("bmm", "backward", "float32")} <= kinds
     assert [(o.step, o.stepped, o.flagged_ranks) for o in callback.outcomes] == [(s, True, []) for s in range(4)]
     assert callback.totals == {"steps": 4, "gemms_verified": 4 * GEMMS_PER_STEP, "detections": 0}
+    # the guard's calibration replays: steps 1 and 2 run once more bare (replay mode, after
+    # the guarded run), charged to those steps; from step 1 on the overhead is measured
+    assert [r.step for r in reports if r.calibration_seconds > 0] == [1, 2]
+    assert [r.overhead_calibrated for r in reports] == [False, True, True, True]
+    assert 'sdc_guard_overhead_calibrated{rank="0"} 1.0' in scraped["body"]
+    assert 'sdc_guard_calibration_seconds_total{rank="0"}' in scraped["body"]
     # the Trainer's logging steps (2, 4) carry the guard's values, and its own entries stay
     entries = sdc_entries(trainer.state.log_history)
     assert [(e["step"], e["sdc/flag"], e["sdc/gemms_verified"]) for e in entries] == [
         (2, 0.0, GEMMS_PER_STEP), (4, 0.0, GEMMS_PER_STEP)]
     assert [e["step"] for e in trainer.state.log_history if "loss" in e] == [2, 4]
     assert [(step, logs["sdc/flag"]) for step, logs in recorder.logs if "sdc/flag" in logs] == [(2, 0.0), (4, 0.0)]
+    assert [e["sdc/overhead_calibrated"] for e in entries] == [1.0, 1.0]
     assert 'sdc_guard_steps_total{rank="0"}' in scraped["body"]
     assert callback.metrics.url is None  # closed at the end of training, port freed
     out = capsys.readouterr().out
     assert "sdc-guard summary" in out and "steps guarded      4" in out and "detections         0" in out
+    assert "interception estimated per op, a lower bound, in 1 of 4 steps" in out  # step 0 came before a replay
     # the Trainer is left as it was found
     assert "training_step" not in vars(trainer)
     assert vars(trainer.optimizer).get("step") is scraped["step"]  # what was there (an LR scheduler's wrapper)

@@ -42,37 +42,59 @@ class Responder:
         self.policy = policy
         self.snapshots = snapshots if snapshots is not None else SnapshotStore(guard.model, optimizer)
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.snapshots.take_initial(guard.step_index - 1)  # unless a snapshot or checkpoint exists
+        with guard.unintercepted():  # the guard's own work: not the model's ops
+            self.snapshots.take_initial(guard.step_index - 1)  # unless a snapshot or checkpoint exists
 
-    def run(self, closure: Callable[[], Any] | None, *, replay: bool = False, loss: Any = None) -> StepOutcome:
+    def run(self, closure: Callable[[], Any] | None, *, replay: bool = False, loss: Any = None,
+            replay_started: float | None = None) -> StepOutcome:
         """One guarded step. ``closure=None`` (manual optimisation, GEMMs run before the
         step was called) leaves nothing to re-execute: recompute becomes skip.
 
         ``replay=True``: the step's forward and backward already ran and gave ``loss``
         (the Hugging Face Trainer runs them before it calls the optimizer); ``closure`` is
         called only to re-execute, re-runs the whole step and restores the RNG state and
-        gradients it starts from itself, so every GEMM of the step can be re-run."""
+        gradients it starts from itself, so every GEMM of the step can be re-run.
+        ``replay_started``: when that first run began (``time.perf_counter()``), so that a
+        calibration replay can pair it with a bare run.
+
+        The state a re-execution starts from is captured only where one can happen: on a
+        watched step (a detection needs verification) or one the gradient screen checks;
+        an unwatched step pays nothing for it."""
+        guard = self.guard
         started = time.perf_counter()
-        state = StepState.capture(self.guard.model, self._params, replay=replay,
-                                  save_state=self.policy.save_state, restore_state=self.policy.restore_state)
-        self.guard.charge(time.perf_counter() - started)
-        closure_start = 0 if replay else self.guard.gemms_seen  # GEMMs before this point cannot be re-run
-        if not replay:
+        calibrating = guard.replays.due(closure is not None and (not replay or replay_started is not None),
+                                        first_run_started=replay_started if replay else None)
+        state = None
+        if guard.watching or guard.screens_gradients:
+            with guard.unintercepted():
+                state = StepState.capture(guard.model, self._params, replay=replay,
+                                          save_state=self.policy.save_state, restore_state=self.policy.restore_state)
+        guard.charge(time.perf_counter() - started)
+        closure_start = 0 if replay else guard.gemms_seen  # GEMMs before this point cannot be re-run
+        if calibrating:
+            assert closure is not None and state is not None
+            loss = self._calibrate(closure, state, replay, loss)
+        elif not replay:
             loss = self._call(closure) if closure is not None else None
-        state.first_run_done()
-        screened = self.guard.screen_gradients(self._params)  # None unless the sampler screens
-        report = self.guard.end_step()
+        if state is not None:
+            state.first_run_done()
+        screened = guard.screen_gradients(self._params)  # None unless the sampler screens
+        report = guard.end_step()
+        started = time.perf_counter()  # the guard's bookkeeping from here on is charged to the next report
         if screened is None:
             flagged, tripped = distributed.flagged_ranks(report.flagged > 0), []
         else:
             flagged, tripped = distributed.step_flags(report.flagged > 0, screened.tripped)
         outcome = StepOutcome(report.step, loss, report, flagged, tripped_ranks=tripped)
+        bookkeeping = time.perf_counter() - started
         try:
             if outcome.flagged_ranks:
+                assert state is not None, "a detection on a step that was not watched"
                 outside = any(d.call_index < closure_start for d in report.detections) or closure is None
                 rerunnable = not distributed.agree_max(int(outside))
                 self._respond(outcome, closure if rerunnable else None, state)
             elif outcome.tripped_ranks:
+                assert state is not None, "a gradient screen that tripped without a sampler that screens"
                 # GEMMs before the closure cannot be re-run: agreed, as for a detection
                 outside = closure is None or closure_start > 0
                 rerunnable = not distributed.agree_max(int(outside))
@@ -80,15 +102,49 @@ class Responder:
             else:
                 self._step_fn()
         finally:  # raise and exit are responses too: record them
-            self.guard.outcomes.append(outcome)
-            self.guard.publish("observe_outcome", outcome)
-        self.guard.refresh_weights()  # encode the updated weights now, while known fresh
+            started = time.perf_counter()
+            guard.outcomes.append(outcome)
+            guard.publish("observe_outcome", outcome)
+            bookkeeping += time.perf_counter() - started
+        guard.refresh_weights()  # encode the updated weights now, while known fresh (charges itself)
         started = time.perf_counter()
         if outcome.stepped or outcome.action == "skip":
-            self.snapshots.after_step(report.step)  # never raises: a failing disk warns once
-        self.guard.charge(time.perf_counter() - started)  # no step is open: the next report's
-        self.guard.begin_step(provisional=True)
+            with guard.unintercepted():  # reads the model only: the guard's own work, not the model's ops
+                self.snapshots.after_step(report.step)  # never raises: a failing disk warns once
+        guard.charge(bookkeeping + time.perf_counter() - started)  # no step is open: the next report's
+        guard.begin_step(provisional=True)
         return outcome
+
+    def _calibrate(self, closure: Callable[[], Any], state: StepState, replay: bool, loss: Any) -> Any:
+        """The step with a calibration replay (``sdc_guard.runtime.calibration``): the
+        closure once with interception off, timed, and everything it changed put back,
+        then (unless the step already ran, ``replay``) the run whose results are used,
+        guarded and timed. Returns the step's loss. The replay's work, putting back
+        included, is charged to the step as the guard's cost."""
+        guard = self.guard
+        if replay:
+            # the step ran guarded already: the bare replay must leave what that run left
+            started = time.perf_counter()
+            with guard.unintercepted():
+                after = StepState.capture(guard.model, self._params, save_state=self.policy.save_state,
+                                          restore_state=self.policy.restore_state)
+            guard.replays.charge(time.perf_counter() - started)
+            try:
+                self._call(lambda: guard.replays.run_bare(closure))
+            finally:
+                started = time.perf_counter()
+                with guard.unintercepted():
+                    after.restore(self._params)
+                guard.replays.charge(time.perf_counter() - started)
+            return loss
+        try:
+            self._call(lambda: guard.replays.run_bare(closure))
+        finally:
+            started = time.perf_counter()
+            with guard.unintercepted():
+                state.restore(self._params)  # gradients, generators, buffers, the user's state
+            guard.replays.charge(time.perf_counter() - started)
+        return self._call(lambda: guard.replays.run_guarded(closure))
 
     def _call(self, closure: Callable[[], Any]) -> Any:
         """Run the closure; if it raises, close the open step (its report keeps what ran,

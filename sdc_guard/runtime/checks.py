@@ -20,6 +20,7 @@ from ..core.precision import SUPPORTED_DTYPES
 from ..core.precision import check_e_max
 from ..respond.policy import Policy
 from ..respond.snapshot import SnapshotStore
+from .calibration import check_calibrate_every
 from .sampling import check_sampler
 
 if TYPE_CHECKING:
@@ -91,7 +92,8 @@ def current_rank() -> int:
 
 
 def check_guard_arguments(model: Any, *, sampler: Any, e_max: Any, backend: Any, history: Any, cache_bytes: Any,
-                          rank: Any, policy: Any, snapshots: Any, metrics: Any, stats: Any, compiled: Any) -> None:
+                          rank: Any, policy: Any, snapshots: Any, metrics: Any, stats: Any, compiled: Any,
+                          calibrate_every: Any = None) -> None:
     """Raise ``TypeError`` / ``ValueError`` naming the first of ``protect()``'s arguments that
     is not what it takes (``screen`` is checked by ``core.precision.check_screen``)."""
     if not isinstance(model, nn.Module):
@@ -119,3 +121,4 @@ def check_guard_arguments(model: Any, *, sampler: Any, e_max: Any, backend: Any,
                         f"modules is compiled), got {type(compiled).__name__} {compiled!r}")
     if metrics is not None:
         check_metrics_sink(metrics)
+    check_calibrate_every(calibrate_every)

@@ -13,11 +13,12 @@ warns once, counts the GEMM as unverified, and never stops training.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +26,7 @@ from torch.overrides import _get_current_function_mode
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 from .attention import AttentionCall, verify as verify_attention
+from .calibration import DEFAULT_EVERY, Replays
 from .cache import WeightCache, persistent_parameters, storage_address, storage_addresses
 from .function_mode import GemmFunctionMode, is_compiled, set_sink
 from .intercept import GLOBAL_SITE, Gemm, GemmInterceptor, SiteTracker, current_phase, module_hook_seconds, round_trip_seconds
@@ -42,6 +44,7 @@ from .warn_once import warnings_of
 from .checks import MetricsSink, check_backend, check_guard_arguments, check_metrics_sink, current_rank  # noqa: F401  (also importable here)
 from .optimizer_steps import OptimizerSteps
 from .schedule import current_step, set_current_step  # noqa: F401  (also importable here)
+from .schedule import note_sampler_begun, sampler_begun
 
 #: The guards active on each thread, outermost first (``Guard.owns_outside_gemm``).
 _thread_guards = threading.local()
@@ -76,10 +79,11 @@ class Guard:
         stats: bool = False,
         screen: str = "default",
         compiled: bool | None = None,
+        calibrate_every: int | None = DEFAULT_EVERY,
     ) -> None:
         check_guard_arguments(model, sampler=sampler, e_max=e_max, backend=backend, history=history,
                               cache_bytes=cache_bytes, rank=rank, policy=policy, snapshots=snapshots,
-                              metrics=metrics, stats=stats, compiled=compiled)
+                              metrics=metrics, stats=stats, compiled=compiled, calibrate_every=calibrate_every)
         self.screen = check_screen(screen)
         #: the compiled route (docs/COMPILE.md): a function mode dynamo traces, checks inside
         #: the graphs; else the dispatch mode, which makes dynamo run every frame eagerly
@@ -101,6 +105,9 @@ class Guard:
         self.rank = rank if rank is not None else current_rank()
         self._sites = SiteTracker(model)
         self._mode: GemmInterceptor | GemmFunctionMode | None = None
+        #: this activation's dispatch mode, entered again after a pause (a GEMM-free
+        #: optimizer step, a calibration replay) so that its per-op caches stay warm
+        self._interceptor: GemmInterceptor | None = None
         self._previous_sink: Any = None  #: the compiled route's sink before ours (nested guards)
         self._active = False  #: interception asked for (activate/deactivate)
         self._watching = True  #: the open step's GEMMs are to be seen (the sampler's call)
@@ -115,6 +122,9 @@ class Guard:
         self._gradient_screen: GradientScreen | None = None  #: the open step's, for its report
         self._provisional = False  #: the open step was opened in advance (``begin_step``)
         self._screen_tried = False  #: optimizer_step screened (or tried to) the open step
+        #: calibration replays, driven by ``optimizer_step``'s responder: interception's
+        #: real cost, measured (``sdc_guard.runtime.calibration``)
+        self.replays = Replays(self, calibrate_every)
 
     # --- step lifecycle ------------------------------------------------------------------
 
@@ -156,7 +166,9 @@ class Guard:
             self._attempt = last.attempt + 1
         else:
             self._attempt = 0
-            self.sampler.begin_step(self.step_index)
+            if not sampler_begun(self.model, self.sampler, self.step_index):  # begun ahead, then dropped
+                self.sampler.begin_step(self.step_index)
+                note_sampler_begun(self.model, self.sampler, self.step_index)
         self._watching = rerun or sampler_watches(self.sampler)
         self._optimizers.reset()
         if self._watching:
@@ -171,6 +183,7 @@ class Guard:
         self._watched_last = self._watching
         self._step_open = True
         self._sync_mode()
+        self._sync_optimizer_hooks()
         self._ledger.hook_seconds += time.perf_counter() - started
 
     def charge(self, seconds: float) -> None:
@@ -181,6 +194,21 @@ class Guard:
             self._ledger.hook_seconds += seconds
         else:
             self._carry += seconds
+
+    @contextlib.contextmanager
+    def unintercepted(self) -> Iterator[None]:
+        """The guard's own work (the responder capturing and restoring a step's state):
+        no dispatch mode sees its ops, so they are neither counted as the model's nor
+        charged twice."""
+        if torch._C._len_torch_dispatch_stack() == 0:
+            yield
+        else:
+            with _disable_current_modes():
+                yield
+
+    def alone_on_thread(self) -> bool:
+        """Whether this is the only guard active on this thread."""
+        return _active_guards() == [self]
 
     def end_step(self, *, closure_raised: bool = False) -> StepReport:
         """Close the open step: read its flags (one host sync) and report it.
@@ -204,17 +232,17 @@ class Guard:
         self._sites.calls = 0
         round_trip = round_trip_seconds() if self._ledger.ops else 0.0
         module_hook = module_hook_seconds() if self._ledger.module_calls else 0.0
-        if not keep_empty and self._watching and self._ledger.seen == 0 and not self._ledger.unverified:
-            # a block that ran no GEMM (an unwatched step is still a step): what the guard
-            # spent in it goes to the next report
-            self._carry += self._ledger.guard_seconds(round_trip, module_hook)
-            return None
-        if not keep_empty and self._provisional and not self._watching:
-            # the step optimizer_step opened after the block's last one
-            self._carry += self._ledger.guard_seconds(round_trip, module_hook)
+        if (not keep_empty and self._watching and self._ledger.seen == 0 and not self._ledger.unverified) or \
+                (not keep_empty and self._provisional and not self._watching):
+            # a block that ran no GEMM (an unwatched step is still a step), or the step
+            # optimizer_step opened after the block's last one: what the guard spent in
+            # it goes to the next report
+            self._carry += self._ledger.guard_seconds(round_trip, module_hook, self.replays.calibration.factor)
             return None
         report = self._ledger.report(self.step_index, self._attempt, self.rank, watched=self._watching,
-                                     stats=self.screen_stats, round_trip=round_trip, module_hook=module_hook)
+                                     stats=self.screen_stats, round_trip=round_trip, module_hook=module_hook,
+                                     calibration=self.replays.calibration)
+        started = time.perf_counter()  # what follows the report is charged to the next one
         screened = self._gradient_screen
         if not self._screen_tried and report.attempt == 0 and self.screens_gradients:
             self._warn_once("unscreened", "sdc_guard: the sampler screens gradients, but only "
@@ -231,7 +259,9 @@ class Guard:
         self.publish("observe_report", report)
         if report.attempt == 0:
             self.sampler.end_step(self._ledger.costs(report))
+            note_sampler_begun(self.model, self.sampler, None)
         set_current_step(self.model, report.step + 1)
+        self._carry += time.perf_counter() - started
         return report
 
     def step(self) -> StepReport:
@@ -250,7 +280,7 @@ class Guard:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None,
                        *, step_fn: Callable[[], Any] | None = None, replay: bool = False,
-                       loss: Any = None) -> StepOutcome:
+                       loss: Any = None, replay_started: float | None = None) -> StepOutcome:
         """Run ``closure`` (zero_grad, forward, backward; returns the loss) as one guarded
         step, respond to any detection per the policy, then step ``optimizer`` unless the
         response says not to. Closes the step (no ``guard.step()`` needed). GEMMs that ran
@@ -260,7 +290,13 @@ class Guard:
         ``optimizer.step`` (for integrations that patch it). ``replay=True`` says the
         step's forward and backward already ran and gave ``loss``: ``closure`` is then
         called only to re-execute, and re-runs the whole step itself, restoring the RNG
-        state and gradients it starts from (the Hugging Face callback's case).
+        state and gradients it starts from (the Hugging Face callback's case);
+        ``replay_started`` is when that first run began (``time.perf_counter()``), which
+        lets a calibration replay time it (without it, replay-mode steps are not
+        calibrated). On the steps the model's calibration picks (``protect``'s
+        ``calibrate_every``), ``closure`` runs once more, bare, before the guarded run (or
+        after the first run, with ``replay``), its effects undone: the report's overhead is
+        then measured, not estimated (``sdc_guard.runtime.calibration``).
 
         >>> model = torch.nn.Linear(4, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> def closure():
@@ -274,10 +310,13 @@ class Guard:
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if closure is not None and not callable(closure):
             raise TypeError(f"closure: expected a callable or None, got {type(closure).__name__}")
+        if replay_started is not None and (isinstance(replay_started, bool) or not isinstance(replay_started, (int, float))):
+            raise TypeError(f"replay_started: expected a time.perf_counter() value or None, "
+                            f"got {type(replay_started).__name__} {replay_started!r}")
         if self._responder is None or self._responder.optimizer is not optimizer:
             self._responder = Responder(self, optimizer, self.policy, self.snapshots, step_fn)
             self.snapshots = self._responder.snapshots
-        return self._responder.run(closure, replay=replay, loss=loss)
+        return self._responder.run(closure, replay=replay, loss=loss, replay_started=replay_started)
 
     @property
     def screens_gradients(self) -> bool:
@@ -327,11 +366,13 @@ class Guard:
         """Start intercepting GEMMs (the step lifecycle is separate)."""
         if self._active:
             raise RuntimeError("this Guard is already active")
+        started = time.perf_counter()
         self._active = True
         _active_guards().append(self)
         self.cache.invalidate()  # whatever was written while inactive went unobserved
-        self._optimizers.install()
+        self._sync_optimizer_hooks()
         self._sync_mode()
+        self.charge(time.perf_counter() - started)
 
     def deactivate(self) -> None:
         """Stop intercepting; an open step stays open."""
@@ -339,8 +380,11 @@ class Guard:
         guards = _active_guards()
         if self in guards:
             guards.remove(self)
+        started = time.perf_counter()
         self._optimizers.remove()
         self._sync_mode()
+        self._interceptor = None  # the next activation builds its own (handlers added since included)
+        self.charge(time.perf_counter() - started)
 
     @property
     def intercepting(self) -> bool:
@@ -354,13 +398,15 @@ class Guard:
         profiler inside ``protect()``), an unwatched step keeps ours in place rather than
         pop the wrong one, and ``on_gemm`` ignores what it sees.
         """
-        wanted = self._active and self._watching and not self._paused
+        wanted = self._active and self._watching and not self._paused and not self.replays.bare
         if wanted and self._mode is None:
             if self.compiled:
                 self._mode = GemmFunctionMode()
                 self._previous_sink = set_sink(self)
             else:
-                self._mode = GemmInterceptor(self, self._sites)
+                if self._interceptor is None:
+                    self._interceptor = GemmInterceptor(self, self._sites)
+                self._mode = self._interceptor
             self._mode.__enter__()
         elif not wanted and self._mode is not None and (
                 not self._active or self._mode in (_get_current_dispatch_mode(), _get_current_function_mode())):
@@ -369,7 +415,17 @@ class Guard:
                 set_sink(self._previous_sink)
                 self._previous_sink = None
             self._ledger.ops += self._mode.ops
+            self._mode.ops = 0
             self._mode = None
+
+    def _sync_optimizer_hooks(self) -> None:
+        """Optimizer-step hooks only while active and watching: an unwatched step needs
+        neither the pause around a GEMM-free optimizer step nor the re-encoding after it
+        (the next watched step starts from fresh encodings), so it runs no hook at all."""
+        if self._active and self._watching:
+            self._optimizers.install()
+        else:
+            self._optimizers.remove()
 
     def __enter__(self) -> "Guard":
         if not self._step_open:
@@ -415,18 +471,19 @@ class Guard:
     def refresh_weights(self, params: list[Tensor] | None = None) -> None:
         """Make the cached weights of ``params`` (all with ``None``) stale and, in a
         watched step, re-encode them now, while their value is known good: right after an
-        optimizer step wrote them. After an unwatched step nothing is re-encoded: the next
-        watched step starts from fresh encodings anyway (``begin_step``), so the work would
-        be thrown away, and unwatched steps are meant to cost nothing."""
+        optimizer step wrote them. After an unwatched step it does nothing: the next watched
+        step makes every encoding stale and starts afresh anyway (``begin_step``), so the
+        work would be thrown away, and unwatched steps are meant to cost nothing."""
+        if not self._watching:  # the next watched step invalidates every encoding anyway
+            return
         started = time.perf_counter()
         if params is not None:
             self.cache.invalidate(storage_addresses(params))
-        if self._watching:
-            if torch._C._len_torch_dispatch_stack() == 0:
+        if torch._C._len_torch_dispatch_stack() == 0:
+            self.cache.refresh()
+        else:
+            with _disable_current_modes():  # the encoding's own ops are not the model's
                 self.cache.refresh()
-            else:
-                with _disable_current_modes():  # the encoding's own ops are not the model's
-                    self.cache.refresh()
         self.charge(time.perf_counter() - started)  # a cost of the guard, often between steps
 
     def on_gemm(self, gemm: Gemm, site: str | None = None, phase: str | None = None) -> None:
@@ -563,6 +620,7 @@ def protect(
     stats: bool = False,
     screen: str = "default",
     compiled: bool | None = None,
+    calibrate_every: int | None = DEFAULT_EVERY,
 ) -> Guard:
     """Verify the GEMMs ``model`` runs inside the block, forward and backward.
 
@@ -584,7 +642,14 @@ def protect(
     ``compiled`` chooses the route: ``True`` checks the GEMMs inside ``torch.compile``'s
     graphs (a function mode dynamo traces, docs/COMPILE.md), ``False`` uses the dispatch
     mode (compiled frames then run eagerly), ``None`` is ``True`` when the model or one of
-    its modules is compiled (pass ``True`` for a compiled function that runs the model).
+    its modules is compiled (pass ``True`` for a compiled function that runs the model);
+    ``calibrate_every`` (default 100): ``optimizer_step`` measures what interception
+    really costs by running a watched step's closure once more with interception off,
+    its effects undone, on the watched steps numbered 1, 2, 4, 8 and 16 and then every
+    ``calibrate_every``-th (in the long run about 1 % of their time;
+    ``sdc_guard.runtime.calibration``),
+    so that ``StepReport.overhead`` is the guard's whole cost; ``None`` never replays (the
+    closure then runs once per step, and the reported interception stays an estimate).
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     >>> with protect(model) as guard:
@@ -594,4 +659,4 @@ def protect(
     """
     return Guard(model, sampler=sampler, e_max=e_max, backend=backend, history=history,
                  cache_bytes=cache_bytes, policy=policy, snapshots=snapshots, metrics=metrics, stats=stats,
-                 screen=screen, compiled=compiled)
+                 screen=screen, compiled=compiled, calibrate_every=calibrate_every)

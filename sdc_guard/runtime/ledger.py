@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..core.summary import SUMMARY, clear_summary, summarize  # noqa: F401  (re-exported)
 from ..core.precision import SEGMENT
+from .calibration import Calibration, Pair, Replay
 from .report import Detection, GemmCounts, KindKey, StepReport
 from .sampling import SiteKey, StepCosts
 from .stats import ScreenStats
@@ -71,8 +72,17 @@ class Clock:
 
     def total(self) -> float:
         """All verification time of the step (call after synchronising)."""
-        gpu = sum(start.elapsed_time(end) for start, end in self._events) / 1e3
-        return self.seconds + gpu
+        return self.seconds + self.gpu_seconds()
+
+    @property
+    def events(self) -> int:
+        """Accelerator checks timed so far (a mark for ``gpu_seconds``)."""
+        return len(self._events)
+
+    def gpu_seconds(self, first: int = 0, stop: int | None = None) -> float:
+        """Verification time on accelerators, of the checks ``first`` to ``stop``
+        (all by default; call after synchronising)."""
+        return sum(start.elapsed_time(end) for start, end in self._events[first:stop]) / 1e3
 
 
 class StepLedger:
@@ -94,6 +104,9 @@ class StepLedger:
         #: guard work done between the previous report and this step's start (re-encoding
         #: the updated weights, snapshots, the previous outcome's bookkeeping): counted here
         self.carried_seconds = carried_seconds
+        #: the step's calibration replay, all of it (the bare run, putting its effects back)
+        self.calibration_seconds = 0.0
+        self.replay: Replay | None = None
 
     def see(self, kind: KindKey) -> int:
         """Count a GEMM; returns its index among the step's GEMMs."""
@@ -115,24 +128,49 @@ class StepLedger:
     def costs(self, report: StepReport) -> StepCosts:
         """The sampler's feedback for this step."""
         return StepCosts(report.step, report.step_seconds, report.verify_seconds,
-                         dict(self.site_seconds), dict(self.site_calls), report.guard_seconds)
+                         dict(self.site_seconds), dict(self.site_calls), report.guard_seconds,
+                         report.calibration_seconds)
 
-    def guard_seconds(self, round_trip: float, module_hook: float = 0.0) -> float:
-        """Everything the guard added to the step (call after synchronising): host time in
-        its hooks (sampling, bookkeeping, and on CPU verification) and around the step
-        (``carried_seconds``), the dispatch mode's round trip for every op intercepted
-        (``round_trip`` seconds each, measured once per process by
-        ``intercept.round_trip_seconds``), the site tracker's module hooks
-        (``module_hook`` per module call, ``intercept.module_hook_seconds``), and
-        verification time on an accelerator. An estimate where the mode and the hooks are
-        concerned: what they cost the ops between them (cache effects) is not in it."""
-        return (self.hook_seconds + self.carried_seconds + self.ops * round_trip + self.module_calls * module_hook
+    def interception_estimate(self, round_trip: float, module_hook: float = 0.0) -> float:
+        """The per-op estimate of interception: the dispatch mode's round trip for every
+        op intercepted (``round_trip`` seconds each, measured once per process by
+        ``intercept.round_trip_seconds``) and the site tracker's module hooks
+        (``module_hook`` per module call, ``intercept.module_hook_seconds``). A lower
+        bound: what the mode and the hooks cost the model's ops between them is not in it."""
+        return self.ops * round_trip + self.module_calls * module_hook
+
+    def measured_seconds(self) -> float:
+        """The guard's work it times itself (call after synchronising): host time in its
+        hooks (sampling, bookkeeping, and on CPU verification), around the step
+        (``carried_seconds``), the step's calibration replay, and verification time on
+        an accelerator."""
+        return (self.hook_seconds + self.carried_seconds + self.calibration_seconds
                 + (self.clock.total() - self.clock.seconds))
 
+    def guard_seconds(self, round_trip: float, module_hook: float = 0.0, factor: float | None = None) -> float:
+        """Everything the guard added to the step: what it timed itself and interception,
+        the per-op estimate scaled by ``factor`` (the model's calibration,
+        ``runtime.calibration``; ``None``: the bare estimate, a lower bound)."""
+        scale = 1.0 if factor is None else factor
+        return self.measured_seconds() + scale * self.interception_estimate(round_trip, module_hook)
+
+    def pair(self, round_trip: float, module_hook: float) -> Pair | None:
+        """The step's calibration replay as a ``Pair`` (after synchronising); ``None``
+        without a complete one."""
+        replay = self.replay
+        if replay is None or replay.guarded <= 0:
+            return None
+        measured = replay.hooks + self.clock.gpu_seconds(*replay.events)
+        estimate = replay.ops * round_trip + replay.module_calls * module_hook
+        return Pair(replay.bare, replay.guarded, measured, estimate)
+
     def report(self, step: int, attempt: int, rank: int, *, watched: bool = True,
-               stats: ScreenStats | None = None, round_trip: float = 0.0, module_hook: float = 0.0) -> StepReport:
+               stats: ScreenStats | None = None, round_trip: float = 0.0, module_hook: float = 0.0,
+               calibration: Calibration | None = None) -> StepReport:
         """Read the flags (the one host synchronisation of the step) into a report; with
-        ``stats``, record every verified GEMM's worst D/T and flag in it."""
+        ``stats``, record every verified GEMM's worst D/T and flag in it. ``calibration``
+        (the model's) takes the step's calibration pair, if it ran one, and gives the
+        interception factor to apply (none yet: the per-op estimate stands)."""
         summaries = read_summaries([p.summary for p in self.pending])  # the one host sync
         if stats is not None:
             for p, s in zip(self.pending, summaries):
@@ -148,14 +186,30 @@ class StepLedger:
             if s[0] > 0:
                 self.by_kind[p.kind].flagged += 1
         ratios = [s[1] for s in summaries if s[1] == s[1]]
-        base = max(step_seconds - verify_seconds, 1e-12)
-        guard_seconds = min(self.guard_seconds(round_trip, module_hook), step_seconds)
+        pair = self.pair(round_trip, module_hook)
+        if calibration is not None and pair is not None:
+            calibration.add(pair)
+        scale = calibration.factor if calibration is not None else None
+        estimate = self.interception_estimate(round_trip, module_hook)
+        # the unguarded step takes at least the fastest bare run of its closure measured: a
+        # factor a disturbed pool made too large gives way (interception only, what the
+        # guard timed itself stands)
+        floor = calibration.floor if calibration is not None and scale is not None else 0.0
+        measured = self.measured_seconds()
+        interception = estimate * (1.0 if scale is None else scale)
+        interception = max(0.0, min(interception, step_seconds - floor - measured))
+        guard_seconds = min(measured + interception, step_seconds)
+        base = max(step_seconds - guard_seconds, 1e-12)  # the step without the guard
         return StepReport(
             step=step, seen=self.seen, verified=len(self.pending), flagged=len(detections),
             detections=detections, unverified_ops=dict(self.unverified),
             verify_seconds=verify_seconds, step_seconds=step_seconds,
-            overhead=guard_seconds / max(step_seconds - guard_seconds, 1e-12), verify_overhead=verify_seconds / base,
+            overhead=guard_seconds / base, verify_overhead=verify_seconds / base,
             guard_seconds=guard_seconds, intercepted_ops=self.ops,
+            interception_estimate_seconds=estimate,
+            interception_seconds=interception,
+            interception_factor=scale, overhead_calibrated=scale is not None or estimate == 0.0,
+            calibration_seconds=self.calibration_seconds,
             overflow=sum(1 for s in summaries if s[2] > 0),
             unverifiable=sum(1 for s in summaries if s[3] > 0),
             worst_ratio=max(ratios, default=0.0), sites_seen=len(self.sites_seen),

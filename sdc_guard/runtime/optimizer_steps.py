@@ -62,7 +62,9 @@ class OptimizerSteps:
         if optimizer in self._gemmless:
             guard._paused = True
             guard._sync_mode()
-        elif optimizer not in self._learned and guard.intercepting and guard.step_open:
+        elif optimizer not in self._learned and guard.intercepting:
+            # the step may be closed already (``Guard.optimizer_step`` steps the optimizer
+            # after reporting): the count of GEMMs seen still moves if it runs any
             self._seen_before[id(optimizer)] = guard.gemms_seen
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -78,7 +80,7 @@ class OptimizerSteps:
             guard._sync_mode()
             return
         before = self._seen_before.pop(id(optimizer), None)
-        if before is not None and guard.step_open:
+        if before is not None:
             self._learned.add(optimizer)
             if guard.gemms_seen == before:
                 self._gemmless.add(optimizer)

@@ -45,15 +45,20 @@ class GemmCounts:
 class StepReport:
     """What one step saw.
 
-    ``overhead`` is what the guard cost the step, everything it added (interception,
-    site tracking, bookkeeping, verification, and the work since the previous report:
-    re-encoding updated weights, snapshots: ``guard_seconds``) over the step time
-    without it; ``verify_overhead`` counts verification alone. ``guard_seconds`` is
-    partly estimated: the dispatch mode's round trip per intercepted op and the site
-    hooks' cost per module call are charged at rates measured once per process
-    (``sdc_guard.runtime.ledger.StepLedger.guard_seconds``); what the mode and hooks cost the
-    model's own ops between them (cache effects) is not in it, so on small models, where
-    they dominate, the estimate is low (``sdc-guard bench train`` shows both).
+    ``overhead`` is what the guard cost the step, everything it added, over the step time
+    without it: ``guard_seconds / (step_seconds - guard_seconds)``. ``guard_seconds`` is
+    what the guard timed itself (verification, bookkeeping, the work since the previous
+    report: re-encoding updated weights, snapshots; a calibration replay) plus
+    interception (the dispatch mode and the site hooks, ``interception_seconds``).
+    Interception cannot be timed from inside; it is the per-op estimate
+    (``interception_estimate_seconds``: a round trip per intercepted op and a hook cost per
+    module call, rates measured once per process) scaled by what calibration replays of
+    this model measured (``interception_factor``; ``sdc_guard.runtime.calibration``: the
+    step's closure run once bare and once guarded, paired). ``overhead_calibrated`` says
+    which: True when ``guard_seconds`` is the whole cost (calibrated, or a step that
+    intercepted nothing), False when interception is the bare estimate, a lower bound (an
+    observation-only ``protect()`` block, which has no closure to replay, or a model no
+    ``optimizer_step`` has calibrated yet). ``verify_overhead`` counts verification alone.
     """
 
     step: int
@@ -64,7 +69,9 @@ class StepReport:
     unverified_ops: dict[str, int]  #: GEMM-bearing ops that could not be verified, by op
     verify_seconds: float
     step_seconds: float
-    overhead: float  #: guard_seconds / (step_seconds - guard_seconds): the guard's whole cost
+    #: guard_seconds / (step_seconds - guard_seconds): the guard's cost (whole where
+    #: ``overhead_calibrated``, else interception is a lower-bound estimate)
+    overhead: float
     overflow: int = 0  #: GEMMs with a legitimate-overflow segment (not corruption)
     unverifiable: int = 0  #: GEMMs with non-finite inputs (not corruption)
     worst_ratio: float = 0.0  #: worst screen D/T over the step's verified GEMMs
@@ -79,9 +86,23 @@ class StepReport:
     #: clean product the screen suspected. Counted and exported, never acted on.
     screen_misses: int = 0
     segments: int = 0  #: (row, segment)s the screen checked
-    verify_overhead: float = 0.0  #: verify_seconds / (step_seconds - verify_seconds)
+    verify_overhead: float = 0.0  #: verify_seconds / (step_seconds - guard_seconds): verification alone
     guard_seconds: float = 0.0  #: everything the guard added to the step (see the class doc)
     intercepted_ops: int = 0  #: aten ops the dispatch mode saw
+    #: True: ``guard_seconds`` is the guard's whole cost (interception calibrated by paired
+    #: replays, or nothing intercepted); False: interception is the per-op estimate, a lower bound
+    overhead_calibrated: bool = False
+    #: interception's share of guard_seconds: interception_factor x the estimate (or the
+    #: estimate itself), cut to what the step leaves beside the fastest bare run measured
+    interception_seconds: float = 0.0
+    #: the per-op estimate of interception, uncalibrated (a lower bound)
+    interception_estimate_seconds: float = 0.0
+    #: measured interception / its per-op estimate, from this model's calibration replays
+    #: (None: no replay yet, the estimate stands)
+    interception_factor: float | None = None
+    #: what this step's calibration replay took (the closure bare, its effects undone);
+    #: 0 without one. Part of guard_seconds.
+    calibration_seconds: float = 0.0
     #: the gradient screen (``sampling.Screened``) ran on this step's gradients
     gradient_screened: bool = False
     #: it tripped: the step was re-executed with every GEMM verified (see StepOutcome.screen)

@@ -24,8 +24,11 @@ class StepCosts:
     verify_seconds: float
     site_seconds: dict[SiteKey, float] = field(default_factory=dict)  #: verification time per site
     site_calls: dict[SiteKey, int] = field(default_factory=dict)  #: verified calls per site
-    #: everything the guard added (interception, bookkeeping, verification; StepReport.guard_seconds)
+    #: everything the guard added (interception, bookkeeping, verification, a calibration
+    #: replay; ``StepReport.guard_seconds``: the whole cost where ``overhead_calibrated``)
     guard_seconds: float = 0.0
+    #: the part of ``guard_seconds`` a calibration replay took (``runtime.calibration``)
+    calibration_seconds: float = 0.0
 
 
 class Sampler(Protocol):

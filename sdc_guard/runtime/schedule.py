@@ -30,3 +30,29 @@ def set_current_step(model: nn.Module, step: int) -> None:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step: expected a non-negative int, got {step!r}")
     _next_step[model] = step
+
+
+#: Per model: (the sampler, the step number) whose ``begin_step`` ran and whose
+#: ``end_step`` has not: the step ``optimizer_step`` opened ahead and a ``protect()``
+#: block then dropped unreported is begun already when the next block opens it again.
+_begun: "weakref.WeakKeyDictionary[nn.Module, tuple[int, int]]" = weakref.WeakKeyDictionary()
+
+
+def sampler_begun(model: nn.Module, sampler: object, step: int) -> bool:
+    """Whether ``sampler.begin_step(step)`` ran for ``model`` without its ``end_step``
+    (a sampler that earns per step, ``Budget``, must not earn twice for one step).
+
+    >>> m = torch.nn.Linear(2, 2); s = object(); note_sampler_begun(m, s, 3)
+    >>> sampler_begun(m, s, 3), sampler_begun(m, s, 4)
+    (True, False)
+    """
+    return _begun.get(model) == (id(sampler), step)
+
+
+def note_sampler_begun(model: nn.Module, sampler: object, step: int | None) -> None:
+    """Record that ``sampler.begin_step(step)`` ran for ``model`` (``None``: its
+    ``end_step`` ran, nothing is begun)."""
+    if step is None:
+        _begun.pop(model, None)
+    else:
+        _begun[model] = (id(sampler), step)
