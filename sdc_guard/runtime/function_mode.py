@@ -103,6 +103,8 @@ def _route_matmul(kind: str) -> Callable:
         if b.dim() == 2:
             return tapped(call, a, b, "fold", kind, site, anchor=anchor)
         if a.dim() == b.dim() and a.shape[:-2] == b.shape[:-2]:
+            if a.dim() > 3:  # as torch.matmul computes it: the batch dims reshaped into one, bmm
+                return _batched_matmul(a, b, site, anchor)
             return tapped(call, a, b, "batch", kind, site, anchor=anchor)
         if kind != "matmul":  # shapes mm / bmm refuse: the call raises as called
             return call(a, b)
@@ -112,6 +114,19 @@ def _route_matmul(kind: str) -> Callable:
             return CheckedGemm.apply(a.unsqueeze(0), b, site).squeeze(-2)
         return CheckedGemm.apply(a, b, site)  # batch dims that broadcast
     return route
+
+
+def _batched_matmul(a: Tensor, b: Tensor, site: str, anchor: Tensor | None) -> Tensor:
+    """``torch.matmul`` of two batches of one shape with more than one batch dim, made as
+    ``torch.matmul`` makes it (its batched path: each operand reshaped to ``[batch, rows,
+    cols]``, one ``bmm``, the result viewed back), the same values bit for bit. The check
+    then reads the operands the ``bmm`` reads, laid out as the eager route sees them: the
+    heads of an attention's ``q @ k^T``, views into one projection, are copied once by that
+    reshape (as they are unguarded) instead of a second time for the check."""
+    batch, m, n = a.shape[:-2], a.shape[-2], b.shape[-1]
+    out = tapped(torch.bmm, a.reshape(-1, m, a.shape[-1]), b.reshape(-1, b.shape[-2], n), "batch", "matmul",
+                 site, anchor=anchor)
+    return out.view(*batch, m, n)
 
 
 def _route_addmm(kind: str) -> Callable:

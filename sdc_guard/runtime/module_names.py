@@ -29,7 +29,8 @@ class ModuleNames:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._modules: dict[int, str] | None = None
-        self._owners: dict[int, tuple[str, ...]] | None = None
+        self._owners: dict[int, tuple[str, ...]] | None = None  #: by storage address
+        self._by_id: dict[int, tuple[Tensor, tuple[str, ...]]] = {}  #: by parameter object (what graphs pass)
 
     def of_module(self, module: object) -> str | None:
         """The path of ``module`` in the model (``""`` for the model itself), or ``None``.
@@ -42,16 +43,24 @@ class ModuleNames:
 
     def owners(self, t: Tensor) -> tuple[str, ...]:
         """The paths of the modules whose parameter ``t`` is (or views): more than one for
-        a tied weight; empty for anything else. Asked at run time."""
+        a tied weight; empty for anything else. Asked at run time, for every check: the
+        parameter object itself (what a compiled graph hands its ops) is found by identity,
+        anything else by its storage."""
         if self._owners is None:
             owners: dict[int, tuple[str, ...]] = {}
+            params: list[Tensor] = []
             for name, module in self.model.named_modules(remove_duplicate=False):
                 clean = _clean(name)
                 for p in module.parameters(recurse=False):
                     address = storage_address(p)
                     if address is not None and clean not in owners.get(address, ()):
                         owners[address] = (*owners.get(address, ()), clean)
+                    params.append(p)
             self._owners = owners
+            self._by_id = {id(p): (p, owners.get(storage_address(p) or 0, ())) for p in params}
+        entry = self._by_id.get(id(t))
+        if entry is not None and entry[0] is t:
+            return entry[1]
         address = storage_address(t)
         return () if address is None else self._owners.get(address, ())
 
