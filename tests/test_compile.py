@@ -475,3 +475,51 @@ def test_compiled_gpt_trains_bit_identical_to_the_unguarded_compiled_gpt(backend
     loss, params, reports = run(True)
     assert torch.equal(loss, clean_loss) and all(torch.equal(a, b) for a, b in zip(params, clean_params))
     assert [(r.seen, r.verified, r.flagged) for r in reports] == [(GPT_GEMMS, GPT_GEMMS, 0)] * 2
+
+
+class EveryProduct(torch.nn.Module):
+    """Each GEMM function the route takes, in each shape kind it handles: a vector through
+    a Linear, a vector times a matrix, a batch times a matrix, two batches (``@``, ``bmm``,
+    ``baddbmm`` with ``alpha`` and ``beta``), ``mm`` and ``addmm``; and the two the taps
+    cannot express (a matrix times a vector, broadcast batch dims)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.w = torch.nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [2, 3, 8]
+        v = self.fc(x[0, 0])                              # linear on a vector
+        m = x[0] @ self.w                                 # matrix @ parameter (mm kind via matmul)
+        batch = torch.matmul(x, self.w)                   # batch @ matrix: folded
+        pair = x @ x.transpose(-2, -1)                    # two batches
+        b = torch.baddbmm(x, pair, x, alpha=0.5, beta=2.0)
+        b = torch.bmm(b, x.transpose(1, 2)) @ x
+        mm = torch.addmm(self.fc.bias, x[1], self.w.t(), beta=0.5, alpha=2.0) + torch.mm(x[1], self.w)
+        vec = torch.matmul(v, self.w) + torch.matmul(self.w, v)  # vector @ matrix, matrix @ vector
+        broadcast = torch.matmul(x.unsqueeze(0), self.w.expand(4, 1, 8, 8))  # [4, 2, 3, 8]
+        return vec.sum() + m.sum() + batch.sum() + b.sum() + mm.sum() + broadcast.sum()
+
+
+def test_every_product_the_route_takes_is_checked_forward_and_backward():
+    def run(compiled: bool, guarded: bool):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = EveryProduct()
+        target = torch.compile(model, backend="aot_eager") if compiled else model
+        x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        with sdc_guard.protect(target) if guarded else contextlib.nullcontext() as guard:
+            target(x).backward()
+        grads = [x.grad, *[p.grad for p in model.parameters()]]
+        return grads, guard.last_report if guarded else None
+
+    clean, _ = run(False, False)
+    _, eager = run(False, True)
+    grads, report = run(True, True)
+    for a, b in zip(grads, clean):  # the matrix @ vector and broadcast products: gradients of their own
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # the eager route sees the same products and counts its two matrix-vector ones (aten.mv);
+    # the compiled route checks all of them
+    assert eager.unverified_ops == {"aten.mv": 2} and eager.seen == eager.verified
+    products = eager.seen + 2
+    assert (report.seen, report.verified, report.flagged, report.unverified_ops) == (products, products, 0, {})
