@@ -6,6 +6,7 @@ inductor receives, without C++ compilation); one compiles with inductor.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -61,13 +62,13 @@ def test_compiled_mlp_is_checked_in_one_graph_forward_and_backward():
     model = MLP()
     compiled = torch.compile(model, backend="aot_eager")
     x = torch.randn(4, 16)
-    before = int(function_mode.CHECKS)
+    before = function_mode.checks_run()
     with sdc_guard.protect(compiled) as guard:
         mlp_step(compiled, x)
     report = guard.last_report
     assert guard.compiled
     assert (report.seen, report.verified, report.flagged) == (5, 5, 0)  # 2 forward, 3 backward
-    assert int(function_mode.CHECKS) - before == 5  # the in-graph checks ran
+    assert function_mode.checks_run() - before == 5  # the in-graph checks ran
     assert graphs() == 1 and counters["frames"]["ok"] == 1
     assert not counters["graph_break"]
     phases = {site[1] for site in guard._ledger.sites_seen}
@@ -93,12 +94,12 @@ def test_explain_counts_one_graph_and_no_break_and_the_checks_inside_it():
         explained = torch._dynamo.explain(model)(x)
     assert explained.graph_count == 1 and explained.graph_break_count == 0
     graph = explained.graphs[0]
-    checks = {"fwd": 0, "bwd": 0}
-    for name, body in graph.named_children():  # the CheckedGemm forward and backward bodies
-        for node in body.graph.nodes:
-            if node.target in (torch.ops.sdc_guard.check_gemm, torch.ops.sdc_guard.check_gemm.default):
-                checks[name[:3]] += 1
-    assert checks == {"fwd": 2, "bwd": 3}  # fc1's input needs no gradient: 2 + 3 GEMMs
+    check_ops = (torch.ops.sdc_guard.check_gemm, torch.ops.sdc_guard.check_gemm.default)
+    checks = {"graph": 0, "fwd": 0, "bwd": 0}
+    checks["graph"] = sum(node.target in check_ops for node in graph.graph.nodes)  # the forward checks
+    for name, body in graph.named_children():  # the taps' forward and backward bodies
+        checks[name[:3]] += sum(node.target in check_ops for node in body.graph.nodes)
+    assert checks == {"graph": 2, "fwd": 0, "bwd": 3}  # fc1's input needs no gradient: 2 + 3 GEMMs
 
 
 def test_compiled_gpt_reports_like_eager_and_does_not_recompile_across_steps():
@@ -130,15 +131,15 @@ def test_leaving_protect_leaves_no_trace():
     with sdc_guard.protect(compiled):
         mlp_step(compiled, x)
     assert not _get_current_function_mode_stack() and function_mode.current_sink() is None
-    before = int(function_mode.CHECKS)
+    before = function_mode.checks_run()
     frames = counters["frames"]["ok"]
     for _ in range(3):
         mlp_step(compiled, x)  # outside: the graph without checks, compiled once
-    assert int(function_mode.CHECKS) == before
+    assert function_mode.checks_run() == before
     assert counters["frames"]["ok"] == frames + 1 and graphs() == 2
     later = torch.compile(MLP(d_hidden=24), backend="aot_eager")  # a model compiled after the block
     mlp_step(later, x)
-    assert counters["frames"]["ok"] == frames + 2 and graphs() == 3 and int(function_mode.CHECKS) == before
+    assert counters["frames"]["ok"] == frames + 2 and graphs() == 3 and function_mode.checks_run() == before
     # and the compiled model outside the block computes what the unguarded one does
     torch.manual_seed(0)
     plain = MLP()
@@ -153,10 +154,10 @@ def test_unwatched_steps_run_the_graph_without_checks():
     x = torch.randn(4, 16)
     seen = []
     for _ in range(4):
-        before = int(function_mode.CHECKS)
+        before = function_mode.checks_run()
         with sdc_guard.protect(compiled, sampler=sampler) as guard:
             mlp_step(compiled, x)
-        seen.append((guard.last_report.verified, int(function_mode.CHECKS) - before))
+        seen.append((guard.last_report.verified, function_mode.checks_run() - before))
     assert seen == [(5, 5), (0, 0), (5, 5), (0, 0)]
     assert graphs() == 2  # one with checks, one without: each compiled once
 
@@ -320,3 +321,232 @@ def test_compiled_transformers_gpt2_with_a_fault_drill():
     assert [d.site for d in hit.report.detections] == ["transformer.h.1.mlp.c_fc"]
     # transformers' own logging call breaks the graph (unguarded too); no break is the guard's
     assert not [k for k in counters["graph_break"] if "sdc_guard" in k or "check_gemm" in k or "Checked" in k]
+
+
+class BreakBlock(torch.nn.Module):
+    """A graph break inside a submodule's forward: dynamo compiles this forward as a frame of
+    its own, whose graphs every instance of the block then shares."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+        self.out = torch.nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(h))
+        torch._dynamo.graph_break()  # as a print, a data-dependent branch or an unsupported op would
+        return h + self.out(h)
+
+
+class Broken(torch.nn.Module):
+    """Graph breaks where real models have them: inside two instances of a block, and a
+    data-dependent branch in the model's own forward; a product of two activations after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.blocks = torch.nn.ModuleList([BreakBlock(32), BreakBlock(32)])
+        self.head = torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        h = self.blocks[1](self.blocks[0](h))  # (a loop around a graph break would run this frame eagerly)
+        if h.sum() > 0:  # data-dependent: a graph break
+            h = h * 0.5
+        h = h + 0.01 * (h @ h.t()) @ h
+        return self.head(h)
+
+
+#: GEMMs of a ``Broken`` step with an input that needs its gradient: every Linear 1 forward
+#: and 2 backward (fc1, 2 x fc and out, head), the two activation products 1 + 2 each
+BROKEN_GEMMS = 6 * 3 + 2 * 3
+BROKEN_SITES = {(site, phase) for site in ("fc1", "blocks.0.fc", "blocks.0.out", "blocks.1.fc", "blocks.1.out",
+                                           "head") for phase in ("forward", "backward")}
+
+
+def broken_run(backend: str, guarded: bool, faults: tuple = (), steps: int = 1):
+    """``steps`` compiled steps of a seeded ``Broken``, dynamo fresh: (output, input
+    gradient, parameter gradients) of the last, the guard's reports (empty unguarded) and
+    the (site, phase) pairs of the last step's GEMMs."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = Broken()
+    compiled = torch.compile(model, backend=backend)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 16, generator=gen).requires_grad_()
+    reports, sites = [], set()
+    with contextlib.ExitStack() as stack:
+        if guarded:
+            if faults:
+                stack.enter_context(drill(compiled, *faults))
+            guard = stack.enter_context(sdc_guard.protect(compiled))
+        for _ in range(steps):
+            x.grad = None
+            model.zero_grad()
+            y = compiled(x)
+            y.square().mean().backward()
+            if guarded:
+                sites = {site[:2] for site in guard._ledger.sites_seen}
+                reports.append(guard.step())
+    return (y.detach(), x.grad, *[p.grad for p in model.parameters()]), reports, sites
+
+
+def check_broken_model(backend: str) -> None:
+    clean, _, _ = broken_run(backend, guarded=False)
+    assert counters["graph_break"], "the model must break its graph"
+    graphs_unguarded = graphs()
+    guarded, (report,), sites = broken_run(backend, guarded=True)
+    assert all(torch.equal(a, b) for a, b in zip(clean, guarded)), "bit-identical to the unguarded compiled model"
+    assert (report.seen, report.verified, report.flagged, report.unverified_ops) == (BROKEN_GEMMS, BROKEN_GEMMS, 0, {})
+    assert graphs() == graphs_unguarded  # the same graphs (the blocks share theirs), the checks inside them
+    # a graph the two blocks share names the block that ran it (the module of its weight)
+    assert sites == BROKEN_SITES | {("global", "forward"), ("global", "backward")}  # + the activation products
+    faults = (GemmFault(site="blocks.1.out", phase="backward", step=1),  # in a graph both blocks share
+              GemmFault(site="fc1", phase="forward", step=1))
+    _, (first, hit), _ = broken_run(backend, guarded=True, faults=faults, steps=2)
+    assert first.flagged == 0
+    assert {(d.site, d.phase) for d in hit.detections} == {("blocks.1.out", "backward"), ("fc1", "forward")}
+
+
+def test_graph_breaks_inside_a_compiled_model_are_checked_in_every_graph():
+    # a check that wrote a shared counter made the backward fail across graphs ("modified by
+    # an inplace operation: [torch.LongTensor [1]]"); the check ops write nothing now
+    check_broken_model("aot_eager")
+
+
+@pytest.mark.slow  # inductor compiles C++ for every graph of the model (about a minute)
+def test_graph_breaks_inside_an_inductor_compiled_model_are_checked_in_every_graph():
+    check_broken_model("inductor")
+
+
+def _autocast_step(model: torch.nn.Module, loss_of, backend: str, guarded: bool):
+    """One bf16-autocast step of ``model`` compiled with ``backend``, dynamo fresh: the loss,
+    the parameter gradients and the guard's report (``None`` unguarded)."""
+    torch._dynamo.reset()
+    model.zero_grad()
+    compiled = torch.compile(model, backend=backend)
+    with sdc_guard.protect(compiled) if guarded else contextlib.nullcontext() as guard:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_of(compiled)
+        loss.backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    return loss.detach(), grads, guard.last_report if guarded else None
+
+
+@pytest.mark.slow  # whole transformers models through torch.compile: see CONTRIBUTING.md
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_compiled_transformers_model_under_bf16_autocast_verifies_every_gemm(arch):
+    # autocast casts a GEMM's operands inside the call (a bf16 activation times an fp32
+    # weight reached the route); the route makes those casts itself, so the check sees bf16
+    pytest.importorskip("transformers")
+    if arch == "gpt2":
+        from hf_models import gpt2
+
+        model = gpt2()
+        tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+        loss_of = lambda m: m(input_ids=tokens, labels=tokens).loss  # noqa: E731
+    else:
+        from sdc_guard.tools.bench_models import build
+
+        work = build("hf:llama")  # eager attention: its matmuls are GEMMs
+        model = work.model
+        loss_of = lambda m: work.loss_of(m, 0)  # noqa: E731
+    model.eval()  # no dropout: the two runs draw nothing
+    clean_loss, clean_grads, _ = _autocast_step(model, loss_of, "aot_eager", guarded=False)
+    loss, grads, report = _autocast_step(model, loss_of, "aot_eager", guarded=True)
+    assert torch.equal(loss, clean_loss) and len(grads) == len(clean_grads)
+    assert all(torch.equal(a, b) for a, b in zip(grads, clean_grads)), "bit-identical to the unguarded autocast run"
+    assert report.seen == report.verified > 0 and report.flagged == 0
+    assert report.unverified_ops == {}  # no GEMM counted unverified ("linear", "mm[float32]" before)
+    assert {key[2] for key in report.by_kind} == {"bfloat16"}  # checked in the dtype the kernels computed in
+    with sdc_guard.protect(model, compiled=False) as eager:  # the eager route sees the same GEMMs
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss_eager = loss_of(model)
+        loss_eager.backward()
+    assert eager.last_report.verified == report.verified
+
+
+def test_inductor_keeps_the_check_ops_and_an_inductor_that_would_not_is_named(monkeypatch):
+    # the check ops write nothing: inductor keeps them only because they are registered as
+    # side effects, which this inductor honours (older ones kept only ops with a mutable schema)
+    assert graph_checks.inductor_keeps(torch.ops.sdc_guard.check_gemm) is True
+    assert graph_checks.inductor_keeps(torch.ops.aten.mm) is False  # an op without side effects: dead code
+    assert function_mode.warn_if_inductor_drops_checks() is True
+    monkeypatch.setattr(function_mode, "inductor_keeps", lambda op: False)
+    with pytest.warns(RuntimeWarning, match="inductor removes the compiled route's check ops"):
+        assert function_mode.warn_if_inductor_drops_checks.__wrapped__() is False
+
+
+@pytest.mark.slow  # a whole model through torch.compile, guarded and not, two backends (about a minute)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_gpt_trains_bit_identical_to_the_unguarded_compiled_gpt(backend):
+    # the GEMMs are the user's own calls with autograd's own backward (a batched matmul of
+    # heads made as torch.matmul makes it): the guard changes no value, forward or backward
+    def run(guarded: bool):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = TinyGPT()
+        compiled = torch.compile(model, backend=backend)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        reports = []
+        for step in range(2):
+            with sdc_guard.protect(compiled) if guarded else contextlib.nullcontext() as guard:
+                loss = gpt_closure(compiled, opt, step)()
+                opt.step()
+            if guarded:
+                reports.append(guard.last_report)
+        return loss.detach(), [p.detach().clone() for p in model.parameters()], reports
+
+    clean_loss, clean_params, _ = run(False)
+    loss, params, reports = run(True)
+    assert torch.equal(loss, clean_loss) and all(torch.equal(a, b) for a, b in zip(params, clean_params))
+    assert [(r.seen, r.verified, r.flagged) for r in reports] == [(GPT_GEMMS, GPT_GEMMS, 0)] * 2
+
+
+class EveryProduct(torch.nn.Module):
+    """Each GEMM function the route takes, in each shape kind it handles: a vector through
+    a Linear, a vector times a matrix, a batch times a matrix, two batches (``@``, ``bmm``,
+    ``baddbmm`` with ``alpha`` and ``beta``), ``mm`` and ``addmm``; and the two the taps
+    cannot express (a matrix times a vector, broadcast batch dims)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.w = torch.nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [2, 3, 8]
+        v = self.fc(x[0, 0])                              # linear on a vector
+        m = x[0] @ self.w                                 # matrix @ parameter (mm kind via matmul)
+        batch = torch.matmul(x, self.w)                   # batch @ matrix: folded
+        pair = x @ x.transpose(-2, -1)                    # two batches
+        b = torch.baddbmm(x, pair, x, alpha=0.5, beta=2.0)
+        b = torch.bmm(b, x.transpose(1, 2)) @ x
+        mm = torch.addmm(self.fc.bias, x[1], self.w.t(), beta=0.5, alpha=2.0) + torch.mm(x[1], self.w)
+        vec = torch.matmul(v, self.w) + torch.matmul(self.w, v)  # vector @ matrix, matrix @ vector
+        broadcast = torch.matmul(x.unsqueeze(0), self.w.expand(4, 1, 8, 8))  # [4, 2, 3, 8]
+        return vec.sum() + m.sum() + batch.sum() + b.sum() + mm.sum() + broadcast.sum()
+
+
+def test_every_product_the_route_takes_is_checked_forward_and_backward():
+    def run(compiled: bool, guarded: bool):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = EveryProduct()
+        target = torch.compile(model, backend="aot_eager") if compiled else model
+        x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        with sdc_guard.protect(target) if guarded else contextlib.nullcontext() as guard:
+            target(x).backward()
+        grads = [x.grad, *[p.grad for p in model.parameters()]]
+        return grads, guard.last_report if guarded else None
+
+    clean, _ = run(False, False)
+    _, eager = run(False, True)
+    grads, report = run(True, True)
+    for a, b in zip(grads, clean):  # the matrix @ vector and broadcast products: gradients of their own
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # the eager route sees the same products and counts its two matrix-vector ones (aten.mv);
+    # the compiled route checks all of them
+    assert eager.unverified_ops == {"aten.mv": 2} and eager.seen == eager.verified
+    products = eager.seen + 2
+    assert (report.seen, report.verified, report.flagged, report.unverified_ops) == (products, products, 0, {})

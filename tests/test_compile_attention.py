@@ -155,14 +155,14 @@ def test_compiled_sdpa_is_verified_and_bit_identical_to_the_unguarded_model(name
     config = dict(CONFIGS[name])
     clean = sdpa_run(False, **config)
     torch._dynamo.reset()
-    before = int(function_mode.CHECKS)
+    before = function_mode.checks_run()
     *guarded, guard = sdpa_run(True, **config)
     for a, b in zip(clean[:4], guarded):  # the output and every input gradient, bit for bit
         assert (a is None and b is None) or torch.equal(a, b)
     report = guard.last_report
     assert (report.seen, report.verified, report.attention_checks) == (2, 2, 2)  # forward, backward
     assert (report.flagged, report.screen_misses, report.unverified_ops) == (0, 0, {})
-    assert int(function_mode.CHECKS) - before == 2  # the checks ran in the graphs
+    assert function_mode.checks_run() - before == 2  # the checks ran in the graphs
     assert guard._ledger.sites_seen == {("attn", "forward", "sdpa"), ("attn", "backward", "sdpa_backward")}
     assert not counters["graph_break"]
 

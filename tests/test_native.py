@@ -24,6 +24,7 @@ from sdc_guard.core import verify
 from sdc_guard.core.abft import AbftCheck, WeightSide, weight_side
 from sdc_guard.backends import CpuBackend, GemmRequest, TorchBackend
 from sdc_guard.runtime.cache import WeightCache
+from sdc_guard.backends import native_call
 from sdc_guard.backends.native_call import BufferWeightSide, weight_side_of
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -144,6 +145,30 @@ def test_broadcast_weight_and_two_batch_dims() -> None:
     # with a cached, batched weight side
     req = request(a4, b4, a4 @ b4)
     assert_agrees(replace(req, weight=native.native_weight_side(b4)))
+
+
+@needs_native
+def test_heads_sliced_from_one_projection_are_encoded_natively(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Attention's ``k`` and ``v`` as a function-level ``matmul`` hands them over: heads of one
+    projection, ``[B, H, T, D]`` views whose batch no single stride walks. The kernels encode
+    a contiguous copy (the torch encoding took dozens of passes), agree with the torch
+    backend, and never write the view."""
+    qkv = randn(2, 24, 3 * 32, seed=60)
+    k, v = (z.view(2, 24, 4, 8).transpose(1, 2) for z in qkv.split(32, -1)[1:])
+    q = randn(2, 4, 24, 8, seed=61)
+    torch_encodings = []
+    for module in (native, native_call):
+        monkeypatch.setattr(module, "weight_side", lambda *a: torch_encodings.append(a) or weight_side(*a))
+    for a, b in ((q, k.mT), (randn(2, 4, 24, 24, seed=62).softmax(-1), v)):
+        got, _ = assert_agrees(request(a, b, a @ b))
+        assert bool(got.ok.all())
+        assert native.native_clear(request(a, b, a @ b), native.Scratch()) is not None
+        ws, want = native.native_weight_side(b), weight_side(b)
+        assert isinstance(ws, BufferWeightSide) and ws.br.shape == want.br.shape
+        torch.testing.assert_close(ws.br, want.br, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ws.babs, want.babs, rtol=1e-5, atol=1e-5)
+    assert torch_encodings == []
+    assert torch.equal(qkv, randn(2, 24, 3 * 32, seed=60))
 
 
 @needs_native

@@ -35,8 +35,8 @@ from torch import Tensor
 
 from ..core.abft import AbftCheck, WeightSide, bias_sums, explain_failures, weight_side
 from .native_call import (
-    DTYPE_CODE, BufferWeightSide, Call, checksum32, encode_at, encoding_bytes, flat_args, layout, weight_reason,
-    weight_side_of, ws_batch,
+    DTYPE_CODE, BufferWeightSide, Call, checksum32, encode_at, encoding_bytes, flat_args, layout, walkable,
+    weight_reason, weight_side_of, ws_batch,
 )
 from ..core.precision import SEGMENT
 
@@ -96,7 +96,7 @@ def native_weight_side(b: Tensor, checksum_weight: Tensor | None = None, threads
     ext = _load()
     if ext is None or weight_reason(b, checksum_weight) is not None:
         return weight_side(b, checksum_weight)
-    enc = _encode(ext, b, checksum32(checksum_weight), _threads(threads, force_threads))
+    enc = _encode(ext, walkable(b), checksum32(checksum_weight), _threads(threads, force_threads))
     if enc is None:
         return weight_side(b, checksum_weight)
     return BufferWeightSide(b, enc)

@@ -26,7 +26,7 @@ from ..core.segments import segment_constants
 __all__ = [
     "BufferWeightSide", "C_CONSTANTS", "Call", "DTYPE_CODE", "Prepared", "bias_args", "buffer_geometry",
     "checksum32", "encode_at", "encoding_bytes", "factor_offsets", "flat_args", "layout", "prepared",
-    "threshold_args", "weight_reason", "weight_side_of", "ws_batch",
+    "threshold_args", "walkable", "weight_reason", "weight_side_of", "ws_batch",
 ]
 
 #: dtype -> the kernel's dtype code
@@ -51,9 +51,20 @@ def weight_reason(b: Tensor, checksum_weight: Tensor | None) -> str | None:
         return "b: empty or not a matrix"
     if checksum_weight is not None and (checksum_weight.device.type != "cpu" or checksum_weight.shape != b.shape[-1:]):
         return "checksum_weight: not a CPU vector of N"
-    if b.dim() > 3 and collapse_batch(b.shape[:-2], [list(b.stride()[:-2])]) is None:
-        return "b: batch dims that one stride cannot walk"
     return None
+
+
+def walkable(b: Tensor) -> Tensor:
+    """``b`` itself when the weight-side kernel can walk its batch with one stride, else a
+    contiguous copy of it: a batch of views into a larger tensor (attention's heads, ``k``
+    and ``v`` sliced out of one projection, under a function-level ``matmul``) costs one
+    read and one write of ``b`` that way, where the torch encoding costs dozens of passes."""
+    if b.dim() <= 3:
+        return b
+    collapsed = collapse_batch(b.shape[:-2], [list(b.stride()[:-2])])
+    if collapsed is not None and collapsed[0][0] == 1:
+        return b
+    return b.contiguous()
 
 
 def checksum32(checksum_weight: Tensor | None) -> Tensor | None:
@@ -334,7 +345,11 @@ class Call:
         self.m, self.n, self.k, self.nseg = m, n, k, -(-n // SEGMENT)
         self.enc_bytes, self.encode = 0, None
         if ws is None:
-            bb = ws_batch(b) if weight_reason(b, req.checksum_weight) is None else None  # type: ignore[attr-defined]
+            if weight_reason(b, req.checksum_weight) is None:  # type: ignore[attr-defined]
+                b = walkable(b)
+                bb = ws_batch(b)
+            else:
+                bb = None
             if bb is None:  # the kernels cannot encode b in one buffer: torch's encoding, kept
                 ws = weight_side(b, req.checksum_weight)  # type: ignore[attr-defined]
             else:  # cold: encoded by run() into the caller's buffer

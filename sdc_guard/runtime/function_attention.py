@@ -15,8 +15,8 @@ forward and backward, whatever kernel runs and whatever the backend does with it
 - ``TapOut`` (after the call): the identity on ``O``, with the carriers as inputs. Its
   backward hands ``dO`` on to the call's backward unchanged and returns ``dO`` and the
   saved ``O`` as the carriers' gradients, which autograd routes to ``TapIn``.
-- ``sdc_guard::check_attention``, a custom op like ``check_gemm`` (``mutates_args=
-  ("flags",)``, kept in the graph in order), runs on ``O`` after the call and on the
+- ``sdc_guard::check_attention``, a custom op like ``check_gemm`` (writes nothing, kept in
+  the graphs as a side effect), runs on ``O`` after the call and on the
   gradients in ``TapIn``'s backward. Its body is the eager route's attention check
   (``Guard.on_attention``): the call as ``runtime.attention.function_call`` describes it
   (the kernel the dispatcher chooses for these operands, ``torch._fused_sdp_choice``, and
@@ -40,7 +40,8 @@ import torch
 from torch import Tensor
 
 from .attention import BACKWARD_OP, FORWARD_OP, function_call
-from .graph_checks import CHECKS, current_sink, run_drills, trace_site, unverified
+from .function_gemm import autocast_cast, autocast_dtype
+from .graph_checks import count_check, current_sink, keep_in_graph, run_drills, trace_site, unverified
 
 NAME = "scaled_dot_product_attention"
 #: ``F.scaled_dot_product_attention``'s parameters, in order, and their defaults
@@ -51,14 +52,12 @@ _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 DEVICES = ("cpu", "cuda")
 
 
-@torch.library.custom_op("sdc_guard::check_attention", mutates_args=("flags",),
-                         tags=(torch.Tag.cudagraph_unsafe,))
+@torch.library.custom_op("sdc_guard::check_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def check_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out: Tensor,
                     grad_out: Optional[Tensor], dq: Optional[Tensor], dk: Optional[Tensor], dv: Optional[Tensor],
-                    dropout: float, causal: bool, scale: Optional[float], gqa: bool, flags: Tensor,
-                    site: str) -> None:
+                    dropout: float, causal: bool, scale: Optional[float], gqa: bool, site: str) -> None:
     """Verify one SDPA call with this thread's guard: the forward's ``out``, or (with
-    ``grad_out``) the backward's ``dq``, ``dk``, ``dv``; count it in ``flags``. Reads its
+    ``grad_out``) the backward's ``dq``, ``dk``, ``dv``. Reads its
     tensors, writes none of them (a drill may corrupt ``out`` or a gradient first, as a
     faulty unit would). ``site`` empty: not known at trace time (eager frames)."""
     with torch._C.DisableTorchFunction():  # verification's own ops are not the model's
@@ -70,15 +69,18 @@ def check_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out
         if sink is not None:
             call = function_call(q, k, v, mask, dropout, causal, scale, gqa, out, grad_out, grads)  # type: ignore[arg-type]
             sink.on_attention(call, site or None, phase)
-        flags.add_(1)
+        count_check()
 
 
 @check_attention.register_fake
 def _check_attention_fake(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out: Tensor,
                           grad_out: Optional[Tensor], dq: Optional[Tensor], dk: Optional[Tensor],
                           dv: Optional[Tensor], dropout: float, causal: bool, scale: Optional[float], gqa: bool,
-                          flags: Tensor, site: str) -> None:
+                          site: str) -> None:
     return None
+
+
+keep_in_graph(torch.ops.sdc_guard.check_attention)
 
 
 class TapIn(torch.autograd.Function):
@@ -113,7 +115,7 @@ class TapIn(torch.autograd.Function):
         roles = ctx.roles
         q, k, v = ((a, b, c)[r] for r in roles)
         torch.ops.sdc_guard.check_attention(q, k, v, mask, out, grad_out, dq, dk, dv, ctx.dropout, ctx.causal,
-                                            ctx.scale, ctx.gqa, CHECKS, ctx.site)
+                                            ctx.scale, ctx.gqa, ctx.site)
         grads: list[Tensor | None] = [None, None, None]
         for role, grad in zip(roles, (dq, dk, dv)):
             previous = grads[role]
@@ -181,17 +183,8 @@ def autocast_operands(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> t
     """``q``, ``k``, ``v`` and ``mask`` as the kernel receives them: under autocast on their
     device, each floating one but float64 cast to autocast's dtype, as autocast casts the
     arguments of ``scaled_dot_product_attention`` (a lower-precision op on CPU and CUDA)."""
-    device = q.device.type
-    if not torch.is_autocast_enabled(device):
-        return q, k, v, mask
-    dtype = torch.get_autocast_dtype(device)
-
-    def cast(t: Tensor | None) -> Tensor | None:
-        if t is None or not t.is_floating_point() or t.dtype in (torch.float64, dtype):
-            return t
-        return t.to(dtype)
-
-    return cast(q), cast(k), cast(v), cast(mask)
+    dtype = autocast_dtype(q)
+    return autocast_cast(q, dtype), autocast_cast(k, dtype), autocast_cast(v, dtype), autocast_cast(mask, dtype)
 
 
 def route_sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -214,7 +207,7 @@ def route_sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         out = func(q, k, v, **options)
         torch.ops.sdc_guard.check_attention(q, k, v, mask, out, None, None, None, None, dropout, causal, scale, gqa,
-                                            CHECKS, site)
+                                            site)
         return out
     shape = (*q.shape[:-1], v.shape[-1])
     roles = (0, 0 if k is q else 1, 0 if v is q else 1 if v is k else 2)
@@ -222,5 +215,5 @@ def route_sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
                                                     roles, mask, dropout, causal, scale, gqa, site, shape)
     out = func(tq, tk, tv, **options)
     torch.ops.sdc_guard.check_attention(q, k, v, mask, out, None, None, None, None, dropout, causal, scale, gqa,
-                                        CHECKS, site)
+                                        site)
     return TapOut.apply(out, carry_grad, carry_out)

@@ -8,8 +8,9 @@ intercepts one level up, where dynamo traces: a ``TorchFunctionMode`` that sends
 call would and hands it to ``sdc_guard::check_gemm``, and whose backward computes the two
 gradient GEMMs and hands each to ``check_gemm`` too. Dynamo traces the mode, the function
 and both passes into the graphs (no graph break); ``check_gemm`` is a
-``torch.library.custom_op`` that ``mutates_args=("flags",)`` (a one-element counter of the
-checks run), which keeps it in the graph, in order, through AOT autograd and inductor.
+``torch.library.custom_op`` that returns nothing and writes nothing, registered as a side
+effect (``graph_checks.keep_in_graph``), which keeps it in the forward and backward graphs
+through AOT autograd and inductor, in every graph of a model with graph breaks.
 
 What ``check_gemm`` runs is the eager guard's own verification (``Guard.on_gemm``): the
 same screen on the same backends, the same exact confirmation, the same ledger whose
@@ -26,13 +27,15 @@ its own, ``sdc_guard::check_attention`` (``sdc_guard.runtime.function_attention`
 torch function is one entry in ``ROUTES``: a function from the call's ``(func, args,
 kwargs)`` to its result that calls ``check_gemm`` (or a check op of its own) on what it
 computed, and that is traceable by dynamo. What the check ops share (this thread's guard
-and drills, the ``CHECKS`` counter, the site of a traced call) is in
+and drills, the count of checks run, the site of a traced call) is in
 ``sdc_guard.runtime.graph_checks``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import functools
+import warnings
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -40,121 +43,13 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from .function_attention import route_sdpa
+from .function_gemm import CheckedGemm, autocast_cast, autocast_dtype, linear_call, parameter_of, tapped
 from .graph_checks import (  # noqa: F401  (set_sink ... module_path: also importable from here)
-    CHECKS, CheckSink, add_drill, current_sink, module_path, remove_drill, run_drills, set_sink, trace_site,
-    unverified,
+    CheckSink, add_drill, checks_run, count_check, current_sink, inductor_keeps, keep_in_graph, module_path,
+    remove_drill, run_drills, set_sink, trace_site, unverified,
 )
-from .ops import Gemm
 
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@torch.library.custom_op("sdc_guard::check_gemm", mutates_args=("flags",), tags=(torch.Tag.cudagraph_unsafe,))
-def check_gemm(a: Tensor, b: Tensor, out: Tensor, bias: Optional[Tensor], alpha: float, beta: float,
-               flags: Tensor, op: str, site: str, phase: str) -> None:
-    """Verify ``out == beta * bias + alpha * a @ b`` with this thread's guard, count it in
-    ``flags``. Reads its tensors, writes none of them (a drill may corrupt ``out`` first,
-    as a faulty unit would). ``site`` empty: not known at trace time (eager frames)."""
-    with torch._C.DisableTorchFunction():  # verification's own ops are not the model's
-        run_drills(op, out, site, phase)
-        sink = current_sink()
-        if sink is not None:
-            sink.on_gemm(Gemm(op, a, b, out, bias, alpha, beta), site or None, phase)
-        flags.add_(1)
-
-
-@check_gemm.register_fake
-def _check_gemm_fake(a: Tensor, b: Tensor, out: Tensor, bias: Optional[Tensor], alpha: float, beta: float,
-                     flags: Tensor, op: str, site: str, phase: str) -> None:
-    return None
-
-
-def _check(a: Tensor, b: Tensor, out: Tensor, op: str, site: str, phase: str, bias: Tensor | None = None,
-           alpha: float = 1.0, beta: float = 1.0) -> None:
-    torch.ops.sdc_guard.check_gemm(a, b, out, bias, alpha, beta, CHECKS, op, site, phase)
-
-
-def _grad_op(x: Tensor, y: Tensor) -> str:
-    if x.dim() == 2 and y.dim() == 2:
-        return "mm"
-    return "bmm" if x.dim() > 2 and y.dim() > 2 else "matmul"
-
-
-def _grad_left(g: Tensor, b: Tensor, site: str) -> Tensor:
-    """``g @ b^T`` (the gradient of ``a`` in ``a @ b``), checked."""
-    bt = b.mT
-    out = torch.matmul(g, bt)
-    _check(g, bt, out, _grad_op(g, bt), site, "backward")
-    return out
-
-
-def _grad_right(a: Tensor, g: Tensor, site: str, b_dim: int) -> Tensor:
-    """``a^T @ g`` (the gradient of ``b`` in ``a @ b``), checked; a 2-D ``b`` against a
-    batched ``a`` folds the batch into one GEMM, as autograd's own backward does."""
-    if b_dim == 2 and a.dim() > 2:
-        at = a.reshape(-1, a.shape[-1]).t()
-        g2 = g.reshape(-1, g.shape[-1])
-        out = torch.mm(at, g2)
-        _check(at, g2, out, "mm", site, "backward")
-        return out
-    at = a.mT
-    out = torch.matmul(at, g)
-    _check(at, g, out, _grad_op(at, g), site, "backward")
-    return out
-
-
-class CheckedGemm(torch.autograd.Function):
-    """``out = beta * bias + alpha * (a @ b)`` computed by the user's own call, checked in
-    the forward, with both gradient GEMMs checked in the backward. ``kind`` says which
-    call: ``"linear"`` (``b`` is the weight ``[N, K]``), ``"matmul"``/``"mm"``/``"bmm"``,
-    ``"addmm"``/``"baddbmm"``. Operands are at least 2-D (the routes unsqueeze vectors)."""
-
-    @staticmethod
-    def forward(a: Tensor, b: Tensor, bias: Tensor | None, alpha: float, beta: float, kind: str,
-                site: str) -> Tensor:
-        if kind == "linear":
-            out = F.linear(a, b, bias)
-            _check(a, b.t(), out, "linear", site, "forward", bias)
-        elif kind == "addmm":
-            out = torch.addmm(bias, a, b, beta=beta, alpha=alpha)
-            _check(a, b, out, kind, site, "forward", bias, alpha, beta)
-        elif kind == "baddbmm":
-            out = torch.baddbmm(bias, a, b, beta=beta, alpha=alpha)
-            _check(a, b, out, kind, site, "forward", bias, alpha, beta)
-        else:
-            out = torch.mm(a, b) if kind == "mm" else torch.bmm(a, b) if kind == "bmm" else torch.matmul(a, b)
-            _check(a, b, out, kind, site, "forward")
-        return out
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Tensor) -> None:
-        a, b, bias, alpha, beta, kind, site = inputs
-        ctx.save_for_backward(a, b)
-        ctx.bias_shape = None if bias is None else bias.shape
-        ctx.alpha, ctx.beta, ctx.kind, ctx.site = alpha, beta, kind, site
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple:
-        a, b = ctx.saved_tensors
-        site, kind = ctx.site, ctx.kind
-        ga = gb = gbias = None
-        if kind == "linear":  # out = a @ b.t() + bias
-            if ctx.needs_input_grad[0]:
-                ga = _grad_left(g, b.t(), site)
-            if ctx.needs_input_grad[1]:
-                gb = _grad_right(a, g, site, 2).t()
-            if ctx.needs_input_grad[2]:
-                gbias = g.reshape(-1, g.shape[-1]).sum(0) if g.dim() > 1 else g
-            return ga, gb, gbias, None, None, None, None
-        if ctx.needs_input_grad[0]:
-            ga = _grad_left(g, b, site)
-            ga = (ga * ctx.alpha if ctx.alpha != 1.0 else ga).sum_to_size(a.shape)
-        if ctx.needs_input_grad[1]:
-            gb = _grad_right(a, g, site, b.dim())
-            gb = (gb * ctx.alpha if ctx.alpha != 1.0 else gb).sum_to_size(b.shape)
-        if ctx.needs_input_grad[2] and ctx.bias_shape is not None:
-            gbias = (g * ctx.beta if ctx.beta != 1.0 else g).sum_to_size(ctx.bias_shape)
-        return ga, gb, gbias, None, None, None, None
 
 
 def _checkable(*tensors: Tensor | None) -> bool:
@@ -173,46 +68,86 @@ def _checkable(*tensors: Tensor | None) -> bool:
 
 
 def _route_linear(func: Callable, args: tuple, kwargs: dict) -> Any:
+    if len(args) < 2 or len(args) > 3 or set(kwargs) - {"bias"} or (len(args) == 3 and kwargs):
+        return _unrouted(func, args, kwargs, "linear")
     x, w = args[0], args[1]
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
-    if not (isinstance(x, Tensor) and isinstance(w, Tensor) and w.dim() == 2 and x.dim() >= 1
-            and _checkable(x, w, bias)):
+    if not (isinstance(x, Tensor) and isinstance(w, Tensor) and w.dim() == 2 and x.dim() >= 1):
         return _unrouted(func, args, kwargs, "linear")
-    site = trace_site()
-    if x.dim() == 1:
-        return CheckedGemm.apply(x.unsqueeze(0), w, bias, 1.0, 1.0, "linear", site).squeeze(0)
-    return CheckedGemm.apply(x, w, bias, 1.0, 1.0, "linear", site)
+    anchor = parameter_of(w, x)
+    dtype = autocast_dtype(x)
+    x, w, bias = autocast_cast(x, dtype), autocast_cast(w, dtype), autocast_cast(bias, dtype)
+    if not _checkable(x, w, bias):
+        return _unrouted(func, (x, w, bias), {}, "linear")
+    return tapped(linear_call(bias), x, w, "linear", "linear", trace_site(), bias=bias, anchor=anchor)
 
 
 def _route_matmul(kind: str) -> Callable:
+    call = {"matmul": torch.matmul, "mm": torch.mm, "bmm": torch.bmm}[kind]
+
     def route(func: Callable, args: tuple, kwargs: dict) -> Any:
         if len(args) != 2 or kwargs:
             return _unrouted(func, args, kwargs, kind)
         a, b = args
         if func is Tensor.__rmatmul__:
             a, b = b, a
-        if not (isinstance(a, Tensor) and isinstance(b, Tensor) and _checkable(a, b)) or a.dim() == 0 \
-                or b.dim() == 0 or (a.dim() == 1 and b.dim() == 1):
+        if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or a.dim() == 0 or b.dim() == 0 \
+                or (a.dim() == 1 and b.dim() == 1):
             return _unrouted(func, args, kwargs, kind)
+        anchor = parameter_of(b, a)
+        dtype = autocast_dtype(a)
+        a, b = autocast_cast(a, dtype), autocast_cast(b, dtype)
+        if not _checkable(a, b):
+            return _unrouted(call, (a, b), {}, kind)
         site = trace_site()
-        if a.dim() == 1:
-            return CheckedGemm.apply(a.unsqueeze(0), b, None, 1.0, 1.0, kind, site).squeeze(-2)
-        if b.dim() == 1:
-            return CheckedGemm.apply(a, b.unsqueeze(-1), None, 1.0, 1.0, kind, site).squeeze(-1)
-        return CheckedGemm.apply(a, b, None, 1.0, 1.0, kind, site)
+        if b.dim() == 2:
+            return tapped(call, a, b, "fold", kind, site, anchor=anchor)
+        if a.dim() == b.dim() and a.shape[:-2] == b.shape[:-2]:
+            if a.dim() > 3:  # as torch.matmul computes it: the batch dims reshaped into one, bmm
+                return _batched_matmul(a, b, site, anchor)
+            return tapped(call, a, b, "batch", kind, site, anchor=anchor)
+        if kind != "matmul":  # shapes mm / bmm refuse: the call raises as called
+            return call(a, b)
+        if b.dim() == 1:  # a matrix or a batch times a vector
+            return CheckedGemm.apply(a, b.unsqueeze(-1), site).squeeze(-1)
+        if a.dim() == 1:  # a vector times a batch
+            return CheckedGemm.apply(a.unsqueeze(0), b, site).squeeze(-2)
+        return CheckedGemm.apply(a, b, site)  # batch dims that broadcast
     return route
 
 
+def _batched_matmul(a: Tensor, b: Tensor, site: str, anchor: Tensor | None) -> Tensor:
+    """``torch.matmul`` of two batches of one shape with more than one batch dim, made as
+    ``torch.matmul`` makes it (its batched path: each operand reshaped to ``[batch, rows,
+    cols]``, one ``bmm``, the result viewed back), the same values bit for bit. The check
+    then reads the operands the ``bmm`` reads, laid out as the eager route sees them: the
+    heads of an attention's ``q @ k^T``, views into one projection, are copied once by that
+    reshape (as they are unguarded) instead of a second time for the check."""
+    batch, m, n = a.shape[:-2], a.shape[-2], b.shape[-1]
+    out = tapped(torch.bmm, a.reshape(-1, m, a.shape[-1]), b.reshape(-1, b.shape[-2], n), "batch", "matmul",
+                 site, anchor=anchor)
+    return out.view(*batch, m, n)
+
+
 def _route_addmm(kind: str) -> Callable:
+    call = torch.addmm if kind == "addmm" else torch.baddbmm
+
     def route(func: Callable, args: tuple, kwargs: dict) -> Any:
         if len(args) != 3 or set(kwargs) - {"beta", "alpha"}:
             return _unrouted(func, args, kwargs, kind)
         bias, a, b = args
         beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
         if not (isinstance(a, Tensor) and isinstance(b, Tensor) and isinstance(bias, Tensor)
-                and _checkable(a, b, bias) and isinstance(beta, (int, float)) and isinstance(alpha, (int, float))):
+                and isinstance(beta, (int, float)) and isinstance(alpha, (int, float))
+                and a.dim() == b.dim() and a.shape[:-2] == b.shape[:-2]):
             return _unrouted(func, args, kwargs, kind)
-        return CheckedGemm.apply(a, b, bias, float(alpha), float(beta), kind, trace_site())
+        anchor = parameter_of(b, a)
+        dtype = autocast_dtype(a)
+        a, b, bias = autocast_cast(a, dtype), autocast_cast(b, dtype), autocast_cast(bias, dtype)
+        if not _checkable(a, b, bias):
+            return _unrouted(call, (bias, a, b), kwargs, kind)
+        return tapped(lambda x, y: call(bias, x, y, **kwargs), a, b, "batch", kind, trace_site(), float(alpha),
+                      bias, float(beta), anchor)
     return route
 
 
@@ -261,7 +196,8 @@ UNVERIFIED_FUNCTIONS: dict[Callable, str] = {
 
 
 class GemmFunctionMode(TorchFunctionMode):
-    """Routes GEMM-level torch functions through ``CheckedGemm`` (see the module doc).
+    """Routes GEMM-level torch functions through their checked routes (``ROUTES``; see the
+    module doc).
 
     Entered by the guard for its ``protect()`` block on its own thread (mode stacks are
     thread-local) and left when the block exits or a step is not watched. Every other
@@ -270,6 +206,10 @@ class GemmFunctionMode(TorchFunctionMode):
     """
 
     ops = 0  #: never counted: a count kept in traced code would be a side effect per call
+
+    def __enter__(self) -> "GemmFunctionMode":
+        warn_if_inductor_drops_checks()
+        return super().__enter__()
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -280,6 +220,40 @@ class GemmFunctionMode(TorchFunctionMode):
         if name is not None:
             unverified(name)
         return func(*args, **kwargs)
+
+
+def _eager_when_called_eagerly(code: Any) -> bool:
+    """Have dynamo run ``code`` eagerly, and every frame it calls, when it runs as a frame
+    of its own: the mode's handler called by eager code inside a compiled region (a frame
+    dynamo fell back to eager for, say a graph break in a loop). Compiling the handler and
+    what it calls as frames of their own compiles one graph per call pattern, up to the
+    recompile limit, and mis-traced calls; where dynamo traces a user's frame it still
+    inlines the handler into that frame's graph. Private dynamo API (torch 2.6 on); returns
+    whether it was there."""
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+        set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    except (ImportError, AttributeError, TypeError):
+        return False
+    return True
+
+
+_eager_when_called_eagerly(GemmFunctionMode.__torch_function__.__code__)
+
+
+@functools.cache
+def warn_if_inductor_drops_checks() -> bool | None:
+    """Warn, once per process, where this torch's inductor would drop the check ops from
+    its graphs (an inductor that keeps only ops with a mutable schema): its compiled
+    models' GEMMs would then go unseen. Returns what inductor says (``None``: unknown)."""
+    kept = inductor_keeps(torch.ops.sdc_guard.check_gemm)
+    if kept is False:
+        warnings.warn(f"sdc_guard: torch {torch.__version__}'s inductor removes the compiled route's check ops "
+                      "(they write nothing and this inductor keeps only ops that do): GEMMs in graphs compiled "
+                      "with inductor are not verified and not counted; use a newer torch, another backend "
+                      "(aot_eager) or protect(model, compiled=False)", RuntimeWarning, stacklevel=3)
+    return kept
 
 
 def function_mode_active() -> bool:

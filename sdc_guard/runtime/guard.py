@@ -32,6 +32,7 @@ from .function_mode import GemmFunctionMode, is_compiled, set_sink
 from .intercept import GLOBAL_SITE, Gemm, GemmInterceptor, SiteTracker, current_phase, module_hook_seconds, round_trip_seconds
 from ..core.precision import check_screen
 from .ledger import Pending, StepLedger
+from .module_names import ModuleNames
 from .report import KindKey, StepReport
 from ..respond.outcome import StepOutcome
 from ..respond.policy import Policy
@@ -104,6 +105,8 @@ class Guard:
         self.reports: deque[StepReport] = deque(maxlen=history)
         self.rank = rank if rank is not None else current_rank()
         self._sites = SiteTracker(model)
+        #: module paths by module and parameter, for the compiled route's sites
+        self.module_names = ModuleNames(model)
         self._mode: GemmInterceptor | GemmFunctionMode | None = None
         #: this activation's dispatch mode, entered again after a pause (a GEMM-free
         #: optimizer step, a calibration replay) so that its per-op caches stay warm
