@@ -550,3 +550,48 @@ def test_every_product_the_route_takes_is_checked_forward_and_backward():
     assert eager.unverified_ops == {"aten.mv": 2} and eager.seen == eager.verified
     products = eager.seen + 2
     assert (report.seen, report.verified, report.flagged, report.unverified_ops) == (products, products, 0, {})
+
+
+class Branchy(torch.nn.Module):
+    """``torch.cond`` between two Linear paths, then flex attention over the result, then
+    two blocks under activation checkpointing: three higher-order ops whose bodies dynamo
+    traces as subgraphs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+        self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.nn.attention.flex_attention import flex_attention
+        from torch.utils.checkpoint import checkpoint
+
+        y = torch.cond(x.sum() > 0, lambda t: self.a(t), lambda t: self.b(self.a(t)), (x,))
+        y = flex_attention(y.view(1, 1, 4, 8), y.view(1, 1, 4, 8), y.view(1, 1, 4, 8)).view(4, 8)
+        for block in self.blocks:
+            y = checkpoint(block, y, use_reentrant=False)
+        return y
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_higher_order_ops_in_a_compiled_model_are_counted_not_passed_silently(backend):
+    """Dynamo traces the bodies of ``torch.cond``, flex attention and activation
+    checkpointing as subgraphs without the function mode: their GEMMs cannot be checked on
+    the compiled route, so each call is counted in ``unverified_ops`` (once, with inductor
+    and with ``aot_eager``, whose graph calls the op again at run time), and the model
+    computes what it computes unguarded."""
+    torch.manual_seed(0)
+    model = Branchy()
+    compiled = torch.compile(model, backend=backend)
+    x = torch.ones(4, 8)
+    with torch.no_grad():  # CPU flex attention has no backward
+        clean = compiled(x)
+        with sdc_guard.protect(compiled) as guard:  # one block, one report
+            out = compiled(x)
+    assert torch.equal(out, clean)
+    report = guard.last_report
+    assert report.seen == report.verified == 0 and report.flagged == 0
+    assert report.unverified_ops["higher_order.cond"] == 1
+    assert report.unverified_ops["higher_order.flex_attention"] == 1
+    assert report.unverified_ops["higher_order.tag_activation_checkpoint"] >= 1

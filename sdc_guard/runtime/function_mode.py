@@ -3,11 +3,11 @@
 Dynamo skips every frame while a (non-infra) ``TorchDispatchMode`` is active, so the
 dispatch mode of ``sdc_guard.runtime.intercept`` turns the compiler off. This route
 intercepts one level up, where dynamo traces: a ``TorchFunctionMode`` that sends
-``F.linear``, ``torch.matmul`` / ``@``, ``mm``, ``bmm``, ``addmm`` and ``baddbmm`` through
-``CheckedGemm``, an ``autograd.Function`` whose forward computes the GEMM as the user's
-call would and hands it to ``sdc_guard::check_gemm``, and whose backward computes the two
-gradient GEMMs and hands each to ``check_gemm`` too. Dynamo traces the mode, the function
-and both passes into the graphs (no graph break); ``check_gemm`` is a
+``F.linear``, ``torch.matmul`` / ``@``, ``mm``, ``bmm``, ``addmm`` and ``baddbmm`` through the GEMM taps
+(``sdc_guard.runtime.function_gemm``): the user's own call, unchanged, between two
+``autograd.Function`` identities that hand its output to ``sdc_guard::check_gemm`` and, in
+the backward, its two operand gradients. Dynamo traces the mode and the taps into the
+graphs (no graph break); ``check_gemm`` is a
 ``torch.library.custom_op`` that returns nothing and writes nothing, registered as a side
 effect (``graph_checks.keep_in_graph``), which keeps it in the forward and backward graphs
 through AOT autograd and inductor, in every graph of a model with graph breaks.
@@ -40,6 +40,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._ops import HigherOrderOperator
 from torch.overrides import TorchFunctionMode
 
 from .function_attention import route_sdpa
@@ -217,9 +218,22 @@ class GemmFunctionMode(TorchFunctionMode):
         if route is not None:
             return route(func, args, kwargs)
         name = UNVERIFIED_FUNCTIONS.get(func)
+        if name is None and isinstance(func, HigherOrderOperator) and not _run_by_a_graph(args):
+            # torch.cond, while_loop, flex attention, ...: dynamo traces their bodies as
+            # subgraphs without this mode, so their GEMMs cannot be tapped here; counted
+            # under the eager route's name for an opaque HOP (``_name``: dynamo cannot
+            # trace ``name()``)
+            name = f"higher_order.{func._name}"
         if name is not None:
             unverified(name)
         return func(*args, **kwargs)
+
+
+def _run_by_a_graph(args: tuple) -> bool:
+    """Whether a higher-order op reaches the mode from a graph dynamo compiled (an
+    ``aot_eager`` graph calls it at run time, its bodies traced into ``GraphModule``
+    arguments): that graph already counts it, with the op put there when it was traced."""
+    return not torch.compiler.is_compiling() and any(isinstance(a, torch.fx.GraphModule) for a in args)
 
 
 def _eager_when_called_eagerly(code: Any) -> bool:
