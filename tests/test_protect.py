@@ -114,9 +114,9 @@ def test_mlp_counts_gemms_per_phase_and_flags_none() -> None:
 def test_the_work_between_steps_is_in_the_next_report() -> None:
     """After an optimizer step the guard re-encodes the updated weights, outside any open
     step (and, with one ``protect()`` block per step, outside any block). That work is
-    the guard's cost and must appear in the next report's ``guard_seconds``: here one
-    4096x2048 weight and a one-row input, so the re-encoding (timed alone first) dwarfs
-    the step's own verification."""
+    the guard's cost and must appear in the next report's ``guard_seconds``: at least the
+    time the re-encoding took, timed around the guard's own call (one 4096x2048 weight, so
+    that it is not lost in the noise of the step's own verification)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4096, 2048)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -128,19 +128,30 @@ def test_the_work_between_steps_is_in_the_next_report() -> None:
         loss.backward()
         return loss
 
-    encode = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        sdc_guard.backends.get("torch").encode(model.weight.detach().t())
-        encode.append(time.perf_counter() - t0)
+    refreshes: list[float] = []  # each block's re-encoding outside its step (after the optimizer's)
+
+    def timed(guard, refresh):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return refresh(*args, **kwargs)
+            finally:
+                if not guard.step_open:
+                    refreshes[-1] += time.perf_counter() - t0
+        return run
+
     reports = []
     for _ in range(3):  # one block per step, as a loop that wraps only its step would
+        refreshes.append(0.0)
         with sdc_guard.protect(model) as guard:
+            guard.cache.refresh = timed(guard, guard.cache.refresh)  # the real re-encoding, timed from outside
             reports.append(guard.optimizer_step(opt, closure).report)
-    later = reports[1:]  # each carries the re-encoding after the step before it
-    assert all(r.guard_seconds > 0.3 * min(encode) for r in later), (
-        [r.guard_seconds for r in later], min(encode), [r.verify_seconds for r in later])
-    assert all(r.step_seconds > r.guard_seconds for r in later)
+    assert min(refreshes) > 1e-4  # a 4096x2048 weight re-encoded after each optimizer step
+    # each later report carries at least the re-encoding after the step before it
+    for report, refresh in zip(reports[1:], refreshes):
+        assert report.carried_seconds >= refresh, ([r.carried_seconds for r in reports], refreshes)
+        assert report.guard_seconds >= report.carried_seconds + report.verify_seconds
+        assert report.step_seconds > report.guard_seconds
 
 
 def test_transformer_trains_clean_then_catches_a_flip_with_site_and_phase() -> None:

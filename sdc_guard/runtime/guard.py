@@ -1,5 +1,9 @@
 """``protect(model)``: verify the GEMMs of a training or inference step, report per step.
 
+This module is the per-step half of the guard (steps opened and closed, interception
+switched on and off, the optimizer step and its responses); the per-GEMM half, what the
+interception hands it, is ``runtime/intake.py``.
+
 Lifecycle: a ``Guard`` opens a step, the dispatch mode hands it every GEMM, the sampler
 says which to verify, verification leaves its flags on the device, and closing the step
 reads them all with one host synchronisation into a ``StepReport``. A step closes when a
@@ -14,7 +18,6 @@ warns once, counts the GEMM as unverified, and never stops training.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 import warnings
 from collections import deque
@@ -25,40 +28,30 @@ from torch import Tensor, nn
 from torch.overrides import _get_current_function_mode
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
-from .attention import AttentionCall, verify as verify_attention
 from .calibration import DEFAULT_EVERY, Replays
-from .cache import WeightCache, persistent_parameters, storage_address, storage_addresses
+from .cache import WeightCache, persistent_parameters
 from .function_mode import GemmFunctionMode, is_compiled, set_sink
-from .intercept import GLOBAL_SITE, Gemm, GemmInterceptor, SiteTracker, current_phase, module_hook_seconds, round_trip_seconds
+from .intake import CheckIntake, active_guards
+from .intercept import GemmInterceptor, SiteTracker, module_hook_seconds, round_trip_seconds
 from ..core.precision import check_screen
-from .ledger import Pending, StepLedger
+from .ledger import StepLedger
 from .module_names import ModuleNames
-from .report import KindKey, StepReport
+from .report import StepReport
 from ..respond.outcome import StepOutcome
 from ..respond.policy import Policy
 from ..respond.responder import Responder
-from .sampling import Full, GradientScreen, Sampler, SiteKey, sampler_screens, sampler_watches
+from .sampling import Full, GradientScreen, Sampler, sampler_screens, sampler_watches
 from ..respond.snapshot import SnapshotStore
 from .stats import ScreenStats
-from .checker import Checker, verifiable
+from .checker import Checker
 from .warn_once import warnings_of
 from .checks import MetricsSink, check_backend, check_guard_arguments, check_metrics_sink, current_rank  # noqa: F401  (also importable here)
 from .optimizer_steps import OptimizerSteps
 from .schedule import current_step, set_current_step  # noqa: F401  (also importable here)
-from .schedule import note_sampler_begun, sampler_begun
-
-#: The guards active on each thread, outermost first (``Guard.owns_outside_gemm``).
-_thread_guards = threading.local()
+from .schedule import carry_over, note_sampler_begun, sampler_begun, take_carried
 
 
-def _active_guards() -> list["Guard"]:
-    guards = getattr(_thread_guards, "guards", None)
-    if guards is None:
-        guards = _thread_guards.guards = []
-    return guards
-
-
-class Guard:
+class Guard(CheckIntake):
     """Verifies the GEMMs of ``model``'s steps; see ``protect``.
 
     Not constructed directly: ``with sdc_guard.protect(model) as guard: ...``.
@@ -156,7 +149,7 @@ class Guard:
         if self._step_open:
             raise RuntimeError("begin_step(): a step is already open; call end_step() first")
         started = time.perf_counter()
-        self._ledger = StepLedger(carried_seconds=self._carry)
+        self._ledger = StepLedger(carried_seconds=self._carry + take_carried(self.model))
         self._carry = 0.0
         self._gradient_screen = None
         self._screen_tried = False
@@ -211,7 +204,7 @@ class Guard:
 
     def alone_on_thread(self) -> bool:
         """Whether this is the only guard active on this thread."""
-        return _active_guards() == [self]
+        return active_guards() == [self]
 
     def end_step(self, *, closure_raised: bool = False) -> StepReport:
         """Close the open step: read its flags (one host sync) and report it.
@@ -371,7 +364,7 @@ class Guard:
             raise RuntimeError("this Guard is already active")
         started = time.perf_counter()
         self._active = True
-        _active_guards().append(self)
+        active_guards().append(self)
         self.cache.invalidate()  # whatever was written while inactive went unobserved
         self._sync_optimizer_hooks()
         self._sync_mode()
@@ -380,7 +373,7 @@ class Guard:
     def deactivate(self) -> None:
         """Stop intercepting; an open step stays open."""
         self._active = False
-        guards = _active_guards()
+        guards = active_guards()
         if self in guards:
             guards.remove(self)
         started = time.perf_counter()
@@ -440,146 +433,8 @@ class Guard:
         self.deactivate()
         if self._step_open:
             self._close_step(keep_empty=False)
-
-    # --- per GEMM --------------------------------------------------------------------------
-
-    def on_unverified(self, op: str) -> None:
-        """Count a GEMM-bearing op that cannot be verified."""
-        self._ledger.unverifiable(op)
-
-    def on_write(self, tensors: list[Tensor]) -> None:
-        """Called by the dispatch mode with the tensors an op wrote: a parameter written by
-        the program needs its cached encoding remade (``sdc_guard.runtime.cache``)."""
-        started = time.perf_counter()
-        try:
-            self._note_writes(tensors)
-        finally:
-            self._ledger.hook_seconds += time.perf_counter() - started
-
-    def _note_writes(self, tensors: list[Tensor]) -> None:
-        cache = self.cache
-        stale = []
-        for t in tensors:
-            ptr = storage_address(t)  # None: a tensor without a storage of its own
-            if ptr is not None and cache.holds(ptr):
-                stale.append(ptr)
-        if stale:
-            cache.invalidate(stale)
-
-    @property
-    def watching(self) -> bool:
-        """Whether the open (or last closed) step is watched by the sampler."""
-        return self._watching
-
-    def refresh_weights(self, params: list[Tensor] | None = None) -> None:
-        """Make the cached weights of ``params`` (all with ``None``) stale and, in a
-        watched step, re-encode them now, while their value is known good: right after an
-        optimizer step wrote them. After an unwatched step it does nothing: the next watched
-        step makes every encoding stale and starts afresh anyway (``begin_step``), so the
-        work would be thrown away, and unwatched steps are meant to cost nothing."""
-        if not self._watching:  # the next watched step invalidates every encoding anyway
-            return
-        started = time.perf_counter()
-        if params is not None:
-            self.cache.invalidate(storage_addresses(params))
-        if torch._C._len_torch_dispatch_stack() == 0:
-            self.cache.refresh()
-        else:
-            with _disable_current_modes():  # the encoding's own ops are not the model's
-                self.cache.refresh()
-        self.charge(time.perf_counter() - started)  # a cost of the guard, often between steps
-
-    def on_gemm(self, gemm: Gemm, site: str | None = None, phase: str | None = None) -> None:
-        """Called by the dispatch mode (or the compiled route's ``check_gemm``, with the
-        site and phase it knew at trace time) for every GEMM: sample, verify, keep flags
-        on device."""
-        if not self._watching:
-            return
-        started = time.perf_counter()
-        try:
-            self._on_gemm(gemm, site, phase)
-        finally:
-            self._ledger.hook_seconds += time.perf_counter() - started
-
-    def owns_outside_gemm(self) -> bool:
-        """Whether a GEMM running outside this guard's model is accounted here: only by
-        the outermost guard active on this thread, and only if no other active guard
-        there places it inside its own model. So each guard accounts the GEMMs of its
-        own model (nested guards both account the inner model's), and a GEMM outside
-        every guarded model (a loss's matmul) is accounted once, by the outermost."""
-        guards = _active_guards()
-        if not guards or guards[0] is not self:
-            return not guards  # no guard registered on this thread: an autograd worker
-        return not any(g._sites.inside() for g in guards[1:])
-
-    def _on_gemm(self, gemm: Gemm, module: str | None = None, phase: str | None = None) -> None:
-        phase = phase or current_phase()
-        site_name = module if module is not None else self._sites.site(gemm.out, (gemm.a, gemm.b))
-        if site_name == GLOBAL_SITE and not self.owns_outside_gemm():
-            return  # another guarded model's GEMM
-        kind: KindKey = (gemm.op, phase, str(gemm.a.dtype).removeprefix("torch."))
-        call_index = self._ledger.see(kind)
-        if not verifiable(gemm):
-            self.on_unverified(f"{gemm.op}[{kind[2]}]")
-            return
-        site: SiteKey = (site_name, phase, gemm.op)
-        self._ledger.sites_seen.add(site)
-        if self._attempt == 0 and not self.sampler.should_verify(site):
-            return
-        device = gemm.out.device
-        started = self._ledger.clock.start(device)
-        try:
-            if torch._C._len_torch_dispatch_stack() == 0:  # ours is off while its handler runs
-                sdc, summary = self.checker.verify(gemm)
-            else:
-                with _disable_current_modes():  # modes below ours (a drill, a profiler) too
-                    sdc, summary = self.checker.verify(gemm)
-        except Exception as exc:  # a monitoring failure never stops training
-            self._warn_once(f"verify:{type(exc).__name__}", f"sdc_guard: could not verify a {gemm.op} "
-                            f"GEMM ({type(exc).__name__}: {exc}); counting it as unverified")
-            self.on_unverified(gemm.op)
-            return
-        elapsed = self._ledger.clock.stop(device, started)
-        shape = (*gemm.out.shape[:-2], gemm.a.shape[-2], gemm.a.shape[-1], gemm.b.shape[-1])
-        self._ledger.record(Pending(site, kind, call_index, shape, gemm.a.dtype, sdc, summary), elapsed)
-
-    def on_attention(self, call: AttentionCall, site: str | None = None, phase: str | None = None) -> None:
-        """Called by the dispatch mode (or the compiled route's ``check_attention``, with the
-        site and phase it knew at trace time) for every fused attention call (``sdpa``
-        forward, ``sdpa_backward``): counted, sampled and verified like a GEMM, at the site
-        of the module that ran it (sdc_guard.runtime.attention, docs/ATTENTION.md)."""
-        if not self._watching:
-            return
-        started = time.perf_counter()
-        try:
-            phase = phase or current_phase()
-            ops = call.operands
-            where = site if site is not None or ops is None else self._sites.site(call.site_tensor, (ops.q, ops.k, ops.v))
-            if where == GLOBAL_SITE and not self.owns_outside_gemm():
-                return  # another guarded model's call
-            kind: KindKey = (call.op, phase, str(call.dtype).removeprefix("torch.") if call.out is not None else "?")
-            call_index = self._ledger.see(kind)
-            if ops is None or where is None:
-                self.on_unverified(f"{call.kernel}[{call.reason}]")
-                return
-            site_key: SiteKey = (where, phase, call.op)
-            self._ledger.sites_seen.add(site_key)
-            if self._attempt == 0 and not self.sampler.should_verify(site_key):
-                return
-            device = call.site_tensor.device
-            began = self._ledger.clock.start(device)
-            try:
-                with _disable_current_modes():
-                    sdc, summary = verify_attention(call, self.backend)
-            except Exception as exc:  # a monitoring failure never stops training
-                self._warn_once(f"verify:{type(exc).__name__}", f"sdc_guard: could not verify an {call.op} call "
-                                f"({type(exc).__name__}: {exc}); counting it as unverified")
-                self.on_unverified(call.kernel)
-                return
-            elapsed = self._ledger.clock.stop(device, began)
-            self._ledger.record(Pending(site_key, kind, call_index, call.shape, call.dtype, sdc, summary), elapsed)
-        finally:
-            self._ledger.hook_seconds += time.perf_counter() - started
+        carry_over(self.model, self._carry)  # with a block per step, the next report is another guard's
+        self._carry = 0.0
 
     def publish(self, method: str, item: Any) -> None:
         """Hand a report or outcome to the metrics sink (``method``: ``"observe_report"``

@@ -209,7 +209,7 @@ class StepLedger:
             interception_estimate_seconds=estimate,
             interception_seconds=interception,
             interception_factor=scale, overhead_calibrated=scale is not None or estimate == 0.0,
-            calibration_seconds=self.calibration_seconds,
+            calibration_seconds=self.calibration_seconds, carried_seconds=self.carried_seconds,
             overflow=sum(1 for s in summaries if s[2] > 0),
             unverifiable=sum(1 for s in summaries if s[3] > 0),
             worst_ratio=max(ratios, default=0.0), sites_seen=len(self.sites_seen),

@@ -103,6 +103,10 @@ class StepReport:
     #: what this step's calibration replay took (the closure bare, its effects undone);
     #: 0 without one. Part of guard_seconds.
     calibration_seconds: float = 0.0
+    #: guard work done after the previous report and before this step opened (re-encoding
+    #: the weights an optimizer step wrote, the responder's bookkeeping), also across
+    #: per-step ``protect()`` blocks. Part of guard_seconds and of step_seconds.
+    carried_seconds: float = 0.0
     #: the gradient screen (``sampling.Screened``) ran on this step's gradients
     gradient_screened: bool = False
     #: it tripped: the step was re-executed with every GEMM verified (see StepOutcome.screen)

@@ -56,3 +56,26 @@ def note_sampler_begun(model: nn.Module, sampler: object, step: int | None) -> N
         _begun.pop(model, None)
     else:
         _begun[model] = (id(sampler), step)
+
+
+#: Per model: guard seconds spent after its last report by a ``protect()`` block that has
+#: exited (re-encoding the weights an optimizer step wrote, the responder's bookkeeping):
+#: with one block per step the next report is another guard's, which takes them.
+_carried: "weakref.WeakKeyDictionary[nn.Module, float]" = weakref.WeakKeyDictionary()
+
+
+def carry_over(model: nn.Module, seconds: float) -> None:
+    """Leave ``seconds`` of guard work for the next report of ``model``, whichever guard
+    makes it."""
+    if seconds > 0:
+        _carried[model] = _carried.get(model, 0.0) + seconds
+
+
+def take_carried(model: nn.Module) -> float:
+    """The guard seconds ``carry_over`` left for ``model`` (0.0 if none), now taken.
+
+    >>> m = torch.nn.Linear(2, 2); carry_over(m, 0.25); carry_over(m, 0.5)
+    >>> take_carried(m), take_carried(m)
+    (0.75, 0.0)
+    """
+    return _carried.pop(model, 0.0)

@@ -1,0 +1,188 @@
+"""What the interception hands a guard: GEMMs, fused attention calls, the tensors an op
+wrote, and GEMM-bearing ops it cannot verify.
+
+Both routes call these methods: the dispatch mode (``runtime/intercept.py``) for every
+aten op it sees, the compiled route's check ops (``runtime/graph_checks.py``) from inside
+``torch.compile``'s graphs, with the site and phase they knew at trace time. Each call is
+sampled, verified on the guard's checker and recorded in the open step's ledger, with its
+flags left on the device until the step closes (``Guard`` in ``runtime/guard.py``). The
+intake is a part of ``Guard`` (a base class it inherits), kept in its own module because
+it is the per-GEMM half of the guard, where the rest is the per-step half.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
+
+from .attention import AttentionCall, verify as verify_attention
+from .cache import storage_address, storage_addresses
+from .checker import verifiable
+from .intercept import GLOBAL_SITE, Gemm, current_phase
+from .ledger import Pending
+from .report import KindKey
+from .sampling import SiteKey
+
+if TYPE_CHECKING:
+    from .guard import Guard
+
+#: The guards active on each thread, outermost first (``CheckIntake.owns_outside_gemm``).
+_thread_guards = threading.local()
+
+
+def active_guards() -> list["Guard"]:
+    """The guards active on this thread, outermost first (``Guard.activate`` appends)."""
+    guards = getattr(_thread_guards, "guards", None)
+    if guards is None:
+        guards = _thread_guards.guards = []
+    return guards
+
+
+class CheckIntake:
+    """The per-GEMM methods of ``Guard`` (which inherits them): they read the guard's
+    ledger, cache, sampler, checker and site tracker, set up by ``Guard.__init__``."""
+
+    # --- per GEMM --------------------------------------------------------------------------
+
+    def on_unverified(self, op: str) -> None:
+        """Count a GEMM-bearing op that cannot be verified."""
+        self._ledger.unverifiable(op)
+
+    def on_write(self, tensors: list[Tensor]) -> None:
+        """Called by the dispatch mode with the tensors an op wrote: a parameter written by
+        the program needs its cached encoding remade (``sdc_guard.runtime.cache``)."""
+        started = time.perf_counter()
+        try:
+            self._note_writes(tensors)
+        finally:
+            self._ledger.hook_seconds += time.perf_counter() - started
+
+    def _note_writes(self, tensors: list[Tensor]) -> None:
+        cache = self.cache
+        stale = []
+        for t in tensors:
+            ptr = storage_address(t)  # None: a tensor without a storage of its own
+            if ptr is not None and cache.holds(ptr):
+                stale.append(ptr)
+        if stale:
+            cache.invalidate(stale)
+
+    @property
+    def watching(self) -> bool:
+        """Whether the open (or last closed) step is watched by the sampler."""
+        return self._watching
+
+    def refresh_weights(self, params: list[Tensor] | None = None) -> None:
+        """Make the cached weights of ``params`` (all with ``None``) stale and, in a
+        watched step, re-encode them now, while their value is known good: right after an
+        optimizer step wrote them. After an unwatched step it does nothing: the next watched
+        step makes every encoding stale and starts afresh anyway (``begin_step``), so the
+        work would be thrown away, and unwatched steps are meant to cost nothing."""
+        if not self._watching:  # the next watched step invalidates every encoding anyway
+            return
+        started = time.perf_counter()
+        if params is not None:
+            self.cache.invalidate(storage_addresses(params))
+        if torch._C._len_torch_dispatch_stack() == 0:
+            self.cache.refresh()
+        else:
+            with _disable_current_modes():  # the encoding's own ops are not the model's
+                self.cache.refresh()
+        self.charge(time.perf_counter() - started)  # a cost of the guard, often between steps
+
+    def on_gemm(self, gemm: Gemm, site: str | None = None, phase: str | None = None) -> None:
+        """Called by the dispatch mode (or the compiled route's ``check_gemm``, with the
+        site and phase it knew at trace time) for every GEMM: sample, verify, keep flags
+        on device."""
+        if not self._watching:
+            return
+        started = time.perf_counter()
+        try:
+            self._on_gemm(gemm, site, phase)
+        finally:
+            self._ledger.hook_seconds += time.perf_counter() - started
+
+    def owns_outside_gemm(self) -> bool:
+        """Whether a GEMM running outside this guard's model is accounted here: only by
+        the outermost guard active on this thread, and only if no other active guard
+        there places it inside its own model. So each guard accounts the GEMMs of its
+        own model (nested guards both account the inner model's), and a GEMM outside
+        every guarded model (a loss's matmul) is accounted once, by the outermost."""
+        guards = active_guards()
+        if not guards or guards[0] is not self:
+            return not guards  # no guard registered on this thread: an autograd worker
+        return not any(g._sites.inside() for g in guards[1:])
+
+    def _on_gemm(self, gemm: Gemm, module: str | None = None, phase: str | None = None) -> None:
+        phase = phase or current_phase()
+        site_name = module if module is not None else self._sites.site(gemm.out, (gemm.a, gemm.b))
+        if site_name == GLOBAL_SITE and not self.owns_outside_gemm():
+            return  # another guarded model's GEMM
+        kind: KindKey = (gemm.op, phase, str(gemm.a.dtype).removeprefix("torch."))
+        call_index = self._ledger.see(kind)
+        if not verifiable(gemm):
+            self.on_unverified(f"{gemm.op}[{kind[2]}]")
+            return
+        site: SiteKey = (site_name, phase, gemm.op)
+        self._ledger.sites_seen.add(site)
+        if self._attempt == 0 and not self.sampler.should_verify(site):
+            return
+        device = gemm.out.device
+        started = self._ledger.clock.start(device)
+        try:
+            if torch._C._len_torch_dispatch_stack() == 0:  # ours is off while its handler runs
+                sdc, summary = self.checker.verify(gemm)
+            else:
+                with _disable_current_modes():  # modes below ours (a drill, a profiler) too
+                    sdc, summary = self.checker.verify(gemm)
+        except Exception as exc:  # a monitoring failure never stops training
+            self._warn_once(f"verify:{type(exc).__name__}", f"sdc_guard: could not verify a {gemm.op} "
+                            f"GEMM ({type(exc).__name__}: {exc}); counting it as unverified")
+            self.on_unverified(gemm.op)
+            return
+        elapsed = self._ledger.clock.stop(device, started)
+        shape = (*gemm.out.shape[:-2], gemm.a.shape[-2], gemm.a.shape[-1], gemm.b.shape[-1])
+        self._ledger.record(Pending(site, kind, call_index, shape, gemm.a.dtype, sdc, summary), elapsed)
+
+    def on_attention(self, call: AttentionCall, site: str | None = None, phase: str | None = None) -> None:
+        """Called by the dispatch mode (or the compiled route's ``check_attention``, with the
+        site and phase it knew at trace time) for every fused attention call (``sdpa``
+        forward, ``sdpa_backward``): counted, sampled and verified like a GEMM, at the site
+        of the module that ran it (sdc_guard.runtime.attention, docs/ATTENTION.md)."""
+        if not self._watching:
+            return
+        started = time.perf_counter()
+        try:
+            phase = phase or current_phase()
+            ops = call.operands
+            where = site if site is not None or ops is None else self._sites.site(call.site_tensor, (ops.q, ops.k, ops.v))
+            if where == GLOBAL_SITE and not self.owns_outside_gemm():
+                return  # another guarded model's call
+            kind: KindKey = (call.op, phase, str(call.dtype).removeprefix("torch.") if call.out is not None else "?")
+            call_index = self._ledger.see(kind)
+            if ops is None or where is None:
+                self.on_unverified(f"{call.kernel}[{call.reason}]")
+                return
+            site_key: SiteKey = (where, phase, call.op)
+            self._ledger.sites_seen.add(site_key)
+            if self._attempt == 0 and not self.sampler.should_verify(site_key):
+                return
+            device = call.site_tensor.device
+            began = self._ledger.clock.start(device)
+            try:
+                with _disable_current_modes():
+                    sdc, summary = verify_attention(call, self.backend)
+            except Exception as exc:  # a monitoring failure never stops training
+                self._warn_once(f"verify:{type(exc).__name__}", f"sdc_guard: could not verify an {call.op} call "
+                                f"({type(exc).__name__}: {exc}); counting it as unverified")
+                self.on_unverified(call.kernel)
+                return
+            elapsed = self._ledger.clock.stop(device, began)
+            self._ledger.record(Pending(site_key, kind, call_index, call.shape, call.dtype, sdc, summary), elapsed)
+        finally:
+            self._ledger.hook_seconds += time.perf_counter() - started
