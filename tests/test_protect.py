@@ -517,6 +517,24 @@ def test_optimizer_steps_without_gemms_run_outside_the_dispatch_mode(gemm: bool)
         assert all(r.seen == model_gemms - 1 for r in reports)
 
 
+def test_what_is_learned_about_an_optimizer_outlives_a_per_step_block() -> None:
+    """With one ``protect()`` block per step each step has a new guard: the optimizer's
+    first step is intercepted and counted, the later ones (other guards) are not."""
+    torch.manual_seed(0)
+    model = MLP()
+    box: list = [None]
+    opt = _RecordingSGD(model.parameters(), box)
+    x = torch.randn(4, 16)
+    for _ in range(3):
+        with sdc_guard.protect(model) as guard:
+            box[0] = guard
+            model(x).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert guard.last_report.seen == 5 and guard.last_report.flagged == 0
+    assert opt.intercepting == [True, False, False]
+
+
 def test_an_optimizer_step_that_raises_does_not_leave_interception_off() -> None:
     class Flaky(torch.optim.SGD):
         calls = 0

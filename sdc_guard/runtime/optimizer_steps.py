@@ -16,6 +16,13 @@ if TYPE_CHECKING:
     from .guard import Guard
 
 
+#: What is learned about each optimizer, shared by every guard: with one ``protect()``
+#: block per step each step has a guard of its own, and an optimizer's first step is
+#: the only one a per-guard memory would ever see.
+_learned: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  #: a first step was counted
+_gemmless: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  #: ... and it ran no GEMM
+
+
 class OptimizerSteps:
     """Leaves optimizer steps that run no GEMM outside the dispatch mode.
 
@@ -23,14 +30,13 @@ class OptimizerSteps:
     half of a training step's aten ops, each paying the dispatch mode's Python round trip
     with nothing to verify. Each optimizer's first watched step is intercepted as usual
     and its GEMMs counted; one that ran none is from then on stepped with the mode off. One
-    that ran GEMMs (Shampoo, Muon, LBFGS evaluating its closure) stays verified. Global
+    that ran GEMMs (Shampoo, Muon, LBFGS evaluating its closure) stays verified. What is
+    learned is kept per optimizer for every guard (per-step blocks learn once). Global
     optimizer-step hooks, installed only while the guard is active.
     """
 
     def __init__(self, guard: "Guard") -> None:
         self.guard = guard
-        self._gemmless: weakref.WeakSet = weakref.WeakSet()
-        self._learned: weakref.WeakSet = weakref.WeakSet()
         self._seen_before: dict[int, int] = {}
         #: step calls in progress per optimizer: a subclass's step calling its base class's
         #: step runs the hooks twice, and only the outer call is the optimizer step
@@ -59,10 +65,10 @@ class OptimizerSteps:
         if depth:
             return
         guard = self.guard
-        if optimizer in self._gemmless:
+        if optimizer in _gemmless:
             guard._paused = True
             guard._sync_mode()
-        elif optimizer not in self._learned and guard.intercepting:
+        elif optimizer not in _learned and guard.intercepting:
             # the step may be closed already (``Guard.optimizer_step`` steps the optimizer
             # after reporting): the count of GEMMs seen still moves if it runs any
             self._seen_before[id(optimizer)] = guard.gemms_seen
@@ -81,6 +87,6 @@ class OptimizerSteps:
             return
         before = self._seen_before.pop(id(optimizer), None)
         if before is not None:
-            self._learned.add(optimizer)
+            _learned.add(optimizer)
             if guard.gemms_seen == before:
-                self._gemmless.add(optimizer)
+                _gemmless.add(optimizer)
