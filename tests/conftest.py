@@ -23,3 +23,30 @@ def _seed_torch(request: pytest.FixtureRequest) -> None:
     data whether it runs alone (``pytest -k``) or in the whole suite, in CI or here, so a
     failure CI saw reproduces."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+#: Integration suites every test of which is slow (real Trainer runs, transformers models,
+#: compiled attention, several processes, the real-model corpus, the examples): marked
+#: ``slow`` here, and not even imported by the fast loop (``-m "not slow"``), whose budget
+#: importing Lightning and transformers alone would spend. CONTRIBUTING.md, "test loops".
+SLOW_MODULES = frozenset({
+    "test_lightning.py", "test_transformers.py", "test_compile_attention.py", "test_fsdp.py",
+    "test_fp_corpus.py", "test_examples.py",
+})
+
+
+def _fast_loop(config: pytest.Config) -> bool:
+    return config.getoption("markexpr", "").replace(" ", "") == "notslow"
+
+
+def pytest_ignore_collect(collection_path, config: pytest.Config) -> bool | None:
+    if collection_path.name in SLOW_MODULES and _fast_loop(config):
+        return True
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    for item in items:
+        if item.path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

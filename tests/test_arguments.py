@@ -191,7 +191,13 @@ if "npu" not in sdc_guard.backends.available():
                   "backend", "'npu'"))
 
 
-@pytest.mark.parametrize("call, exception, argument, received", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def _case(case: tuple) -> Any:
+    """The Lightning callback's cases import Lightning (seconds): slow, as its suite is."""
+    slow = (pytest.mark.slow,) if case[0].startswith("sdcguard") else ()
+    return pytest.param(*case[1:], id=case[0], marks=slow)
+
+
+@pytest.mark.parametrize("call, exception, argument, received", [_case(c) for c in CASES])
 def test_a_bad_argument_is_named_where_it_is_given(tmp_path: Path, call: Callable[[Path], Any], exception: type,
                                                     argument: str, received: str) -> None:
     with pytest.raises(exception) as info:
@@ -218,5 +224,10 @@ def test_good_arguments_are_accepted(tmp_path: Path) -> None:
     with guard:
         net(torch.randn(2, 16)).sum().backward()
     assert guard.last_report.verified == 5
-    sdc_callback(checkpoint_dir=tmp_path / "c", e_max=1e-3, pushgateway="127.0.0.1:9091", metrics_port=None,
-                 log_every_n_steps=7, verify_validation=True)
+
+
+@pytest.mark.slow  # imports Lightning (seconds): see CONTRIBUTING.md
+def test_good_callback_arguments_are_accepted(tmp_path: Path) -> None:
+    callback = sdc_callback(checkpoint_dir=tmp_path / "c", e_max=1e-3, pushgateway="127.0.0.1:9091",
+                            metrics_port=None, log_every_n_steps=7, verify_validation=True)
+    assert (tmp_path / "c").is_dir() and callback is not None

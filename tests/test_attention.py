@@ -108,6 +108,7 @@ def test_drilled_attention_fault_is_confirmed(op, output) -> None:
     assert (d.site, d.phase, d.segments) == ("0", "forward" if op == "sdpa" else "backward", [output or 0])
 
 
+@pytest.mark.slow  # trains transformers models: see CONTRIBUTING.md
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "bert"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_transformers_sdpa_trains_clean(arch, precision) -> None:

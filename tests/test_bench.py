@@ -58,6 +58,7 @@ def test_overhead(tmp_path: Path) -> None:
     assert isinstance(summary["targets"]["warm_mean_le_5pct"]["met"], bool)
 
 
+@pytest.mark.slow  # a bench run over attention shapes (about 7 s): see CONTRIBUTING.md
 def test_overhead_attention(tmp_path: Path) -> None:
     """``--attention``: one row per (dtype, L, head dim), GQA accepted, ratios are the
     paired screen / bare SDPA times (forward and backward), the target stated."""
@@ -156,6 +157,7 @@ TINY_ATTENTION = ("--attention", "--ctx", "16", "--head-dim", "16", "--heads", "
                   "--magnitudes", "1e-4,1000")
 
 
+@pytest.mark.slow  # a bench run: see CONTRIBUTING.md
 def test_detect_attention(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--attention``: the real screen and confirmation of the SDPA kernel's outputs, per
     bit and per magnitude, for O, dQ, dK, dV. A screen that flagged nothing would fail the

@@ -77,6 +77,7 @@ def test_compiled_mlp_is_checked_in_one_graph_forward_and_backward():
     assert modules == {"fc1", "fc2"}  # sites from the module stack dynamo traced
 
 
+@pytest.mark.slow  # torch.compile: see CONTRIBUTING.md
 def test_sites_of_a_compiled_sequential_are_its_module_paths():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
@@ -102,6 +103,7 @@ def test_explain_counts_one_graph_and_no_break_and_the_checks_inside_it():
     assert checks == {"graph": 2, "fwd": 0, "bwd": 3}  # fc1's input needs no gradient: 2 + 3 GEMMs
 
 
+@pytest.mark.slow  # a whole model through torch.compile: see CONTRIBUTING.md
 def test_compiled_gpt_reports_like_eager_and_does_not_recompile_across_steps():
     torch.manual_seed(0)
     model = TinyGPT()
@@ -244,6 +246,7 @@ def test_inductor_compiled_mlp_is_checked_and_a_fault_caught():
     assert not counters["graph_break"]
 
 
+@pytest.mark.slow  # torch.compile under a drill: see CONTRIBUTING.md
 def test_drill_without_a_site_hits_the_in_graph_check_not_the_aten_op():
     # dynamo runs compiled code with the function-mode stack empty: the drill must still
     # leave the graph's aten GEMMs alone and corrupt at the check, with the traced site
@@ -409,6 +412,7 @@ def check_broken_model(backend: str) -> None:
     assert {(d.site, d.phase) for d in hit.detections} == {("blocks.1.out", "backward"), ("fc1", "forward")}
 
 
+@pytest.mark.slow  # a model with graph breaks, compiled twice (about 7 s): see CONTRIBUTING.md
 def test_graph_breaks_inside_a_compiled_model_are_checked_in_every_graph():
     # a check that wrote a shared counter made the backward fail across graphs ("modified by
     # an inplace operation: [torch.LongTensor [1]]"); the check ops write nothing now
@@ -528,6 +532,7 @@ class EveryProduct(torch.nn.Module):
         return vec.sum() + m.sum() + batch.sum() + b.sum() + mm.sum() + broadcast.sum()
 
 
+@pytest.mark.slow  # eleven products compiled, guarded and not: see CONTRIBUTING.md
 def test_every_product_the_route_takes_is_checked_forward_and_backward():
     def run(compiled: bool, guarded: bool):
         torch._dynamo.reset()
@@ -574,6 +579,7 @@ class Branchy(torch.nn.Module):
         return y
 
 
+@pytest.mark.slow  # three HOPs through torch.compile, inductor included: see CONTRIBUTING.md
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_higher_order_ops_in_a_compiled_model_are_counted_not_passed_silently(backend):
     """Dynamo traces the bodies of ``torch.cond``, flex attention and activation

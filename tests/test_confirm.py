@@ -72,6 +72,7 @@ def test_a_legitimate_fp16_overflow_is_not_corruption_but_nan_from_finite_inputs
     assert conf.sdc.flatten().tolist() == [False, False, True, False] and not conf.overflow.any()
 
 
+@pytest.mark.slow  # large products: see CONTRIBUTING.md
 def test_reduced_fp32_matmul_precision_is_within_the_bound() -> None:
     """With ``set_float32_matmul_precision("medium")`` a device may multiply fp32 in bf16:
     the bound assumes operand rounding of 2^-8 then, and clears what such a device makes."""

@@ -172,6 +172,7 @@ def captured(precision: str) -> list:
     return recorder.gemms
 
 
+@pytest.mark.slow  # trains a model to capture its operands: see CONTRIBUTING.md
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("precision", list(CAPTURE))
 def test_operands_captured_from_a_real_run(precision: str, backend: str) -> None:

@@ -139,6 +139,7 @@ def grad_step(model: nn.Module, x: torch.Tensor, guarded: bool):
     return out.detach(), {**grads, "input": x.grad.clone()}, guard
 
 
+@pytest.mark.slow  # compiles torch's HOP wrappers: see CONTRIBUTING.md
 @pytest.mark.parametrize("sign,forward_sites", [(1.0, {"a"}), (-1.0, {"a", "b"})], ids=["true", "false"])
 @pytest.mark.parametrize("guarded_first", [True, False], ids=["guarded_first", "unguarded_first"])
 def test_cond_under_autograd_is_exact_and_verified(sign, forward_sites, guarded_first):
@@ -178,6 +179,7 @@ class Loop(nn.Module):
         return while_loop(lambda i, x: i < 3, lambda i, x: (i + 1, self.a(x).tanh()), (i, x))[1]
 
 
+@pytest.mark.slow  # compiles torch's HOP wrappers: see CONTRIBUTING.md
 @pytest.mark.parametrize("guarded_first", [True, False], ids=["guarded_first", "unguarded_first"])
 def test_while_loop_under_autograd_is_exact_and_verified(guarded_first):
     torch.manual_seed(0)
@@ -208,6 +210,7 @@ def test_fault_in_a_cond_branch_is_detected(fault, where):
     assert found and (found[0].site, found[0].phase) == where
 
 
+@pytest.mark.slow  # compiles torch's HOP wrappers: see CONTRIBUTING.md
 def test_hops_compile_once_and_leave_no_trace():
     """The wrappers torch compiles for ``cond`` are compiled once, reused by every later
     guarded step (per-step blocks, whose site hooks are installed afresh) and unguarded
@@ -258,6 +261,7 @@ def test_out_overloads_are_verified():
     assert faults.injections[0].changed and guard.last_report.detections
 
 
+@pytest.mark.slow  # compiles torch's HOP wrappers: see CONTRIBUTING.md
 def test_unknown_hop_runs_and_is_counted():
     from torch._higher_order_ops.scan import scan
     torch.manual_seed(0)

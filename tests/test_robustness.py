@@ -529,6 +529,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # a Lightning fit: see CONTRIBUTING.md
 def test_a_fit_that_fails_at_fit_start_releases_its_metrics_port(cuda_only: str, tmp_path: Path) -> None:
     """The callback accepts an available backend; the model's CPU tensors are found at fit
     start, before any step, and the fit's metrics endpoint is closed on the way out."""

@@ -109,12 +109,14 @@ def test_hard_distributions_agree(dtype: torch.dtype, kind: str) -> None:
     assert bool(got.ok.all())
 
 
+@pytest.mark.slow  # the Triton interpreter: see CONTRIBUTING.md
 def test_batched_3d() -> None:
     a, b = randn(3, M_DECODE, K, seed=7), randn(3, K, N, seed=8)
     got, _ = assert_agrees(request(a, b, a @ b))
     assert got.ok.shape == (3, M_DECODE, 2) and bool(got.ok.all())
 
 
+@pytest.mark.slow  # the Triton interpreter: see CONTRIBUTING.md
 def test_batched_broadcast_weight() -> None:
     """A 3-D activation against one 2-D weight: B's encoding is shared by the batch."""
     a, w = randn(2, M_DOT, K, dtype=torch.bfloat16, seed=9), randn(N, K, dtype=torch.bfloat16, seed=10)
@@ -154,6 +156,7 @@ def test_bias_alpha_beta(bias_shape: tuple[int, ...]) -> None:
     assert not bool(bad.ok.any())
 
 
+@pytest.mark.slow  # the Triton interpreter: see CONTRIBUTING.md
 def test_bias_bf16_with_beta_zero_is_ignored() -> None:
     a, b = randn(M_DECODE, K, dtype=torch.bfloat16, seed=18), randn(K, N, dtype=torch.bfloat16, seed=19)
     bias = torch.full((N,), float("nan"), dtype=torch.bfloat16)
@@ -161,6 +164,7 @@ def test_bias_bf16_with_beta_zero_is_ignored() -> None:
     assert bool(got.ok.all()) and not bool(got.inputs_bad.any())
 
 
+@pytest.mark.slow  # the Triton interpreter: see CONTRIBUTING.md
 @pytest.mark.parametrize("m", [M_DECODE, M_DOT])
 def test_checksum_weight(m: int) -> None:
     a, b = randn(m, K, seed=20), randn(K, N, seed=21)
@@ -187,6 +191,7 @@ def test_corruption_flips_exactly_its_bit(dtype: torch.dtype, m: int) -> None:
     assert got.sdc.nonzero().tolist() == [[row, 1]]
 
 
+@pytest.mark.slow  # the Triton interpreter: see CONTRIBUTING.md
 def test_corruption_in_one_batch_element() -> None:
     a, b = randn(2, M_DOT, K, seed=25), randn(2, K, N, seed=26)
     c = a @ b
@@ -211,6 +216,7 @@ def test_nan_in_a_row_is_unverifiable(m: int) -> None:
 nonfinite_ok = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
 
+@pytest.mark.slow  # the Triton interpreter: see CONTRIBUTING.md
 @nonfinite_ok
 def test_inf_in_b_marks_its_segment() -> None:
     a, b = randn(M_DOT, K, seed=29), randn(K, N, seed=30)
@@ -219,6 +225,7 @@ def test_inf_in_b_marks_its_segment() -> None:
     assert torch.equal(got.inputs_bad, torch.tensor([[False, True]]).expand(M_DOT, 2))
 
 
+@pytest.mark.slow  # the Triton interpreter: see CONTRIBUTING.md
 def test_fp16_overflow_is_possible_overflow_not_sdc() -> None:
     a = torch.full((M_DECODE, K), 40.0, dtype=torch.float16)
     b = torch.full((K, N), 40.0, dtype=torch.float16)
@@ -229,6 +236,7 @@ def test_fp16_overflow_is_possible_overflow_not_sdc() -> None:
     assert bool(got.ok[0].all()) and not bool(got.sdc.any())
 
 
+@pytest.mark.slow  # the Triton interpreter: see CONTRIBUTING.md
 def test_nan_in_c_with_small_inputs_is_sdc() -> None:
     a, b = randn(M_DECODE, K, seed=31), randn(K, N, seed=32)
     c = a @ b
@@ -237,6 +245,7 @@ def test_nan_in_c_with_small_inputs_is_sdc() -> None:
     assert got.sdc.nonzero().tolist() == [[2, 0]]
 
 
+@pytest.mark.slow  # the Triton interpreter: see CONTRIBUTING.md
 def test_inputs_are_not_written() -> None:
     a, w = randn(M_DOT, K, seed=33), randn(N, K, seed=34)
     bias, r = randn(N, seed=35), torch.rand(N) + 0.5
@@ -274,6 +283,7 @@ def test_weight_side_matches_reference(make_b, k_chunk) -> None:
             torch.testing.assert_close(getattr(got, field), getattr(want, field), rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow  # the Triton interpreter: see CONTRIBUTING.md
 @nonfinite_ok
 def test_weight_side_nonfinite_segment_is_bad() -> None:
     b = randn(K, 600, seed=41)
