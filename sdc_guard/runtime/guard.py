@@ -115,6 +115,8 @@ class Guard(CheckIntake):
         self.checker = Checker(self.screen, e_max, backend, self.cache)  #: runs each check
         self._ledger = StepLedger()
         self._carry = 0.0  #: guard seconds spent while no step was open, for the next report
+        #: an optimizer step wrote the weights: re-encode them at the next watched step or GEMM
+        self._encode_due = False
         self._gradient_screen: GradientScreen | None = None  #: the open step's, for its report
         self._provisional = False  #: the open step was opened in advance (``begin_step``)
         self._screen_tried = False  #: optimizer_step screened (or tried to) the open step
@@ -166,6 +168,9 @@ class Guard(CheckIntake):
                 self.sampler.begin_step(self.step_index)
                 note_sampler_begun(self.model, self.sampler, self.step_index)
         self._watching = rerun or sampler_watches(self.sampler)
+        if self._watching:
+            self.encode_due_weights()  # right after the optimizer step that made it due
+        self._encode_due = False  # an unwatched step: its next watched one starts cold anyway
         self._optimizers.reset()
         if self._watching:
             if not rerun or not self._watched_last:
@@ -373,6 +378,7 @@ class Guard(CheckIntake):
     def deactivate(self) -> None:
         """Stop intercepting; an open step stays open."""
         self._active = False
+        self._encode_due = False  # the next activation makes every encoding stale anyway
         guards = active_guards()
         if self in guards:
             guards.remove(self)

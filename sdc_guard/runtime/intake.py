@@ -78,22 +78,33 @@ class CheckIntake:
         return self._watching
 
     def refresh_weights(self, params: list[Tensor] | None = None) -> None:
-        """Make the cached weights of ``params`` (all with ``None``) stale and, in a
-        watched step, re-encode them now, while their value is known good: right after an
-        optimizer step wrote them. After an unwatched step it does nothing: the next watched
-        step makes every encoding stale and starts afresh anyway (``begin_step``), so the
-        work would be thrown away, and unwatched steps are meant to cost nothing."""
+        """Make the cached weights of ``params`` (all with ``None``) stale and, after a
+        watched step, have them re-encoded while their value is known good: right after
+        an optimizer step wrote them. The re-encoding runs when this guard next opens a
+        watched step or sees its next GEMM, whichever comes first (``encode_due_weights``):
+        in a long-lived block that is right after the optimizer step, before the next
+        batch is even loaded. A block that exits first drops it (the next activation makes
+        every encoding stale anyway), and so does a next step the sampler does not watch:
+        with one ``protect()`` block per step, or between ``Budget`` sweeps, the work
+        would be thrown away. After an unwatched step it does nothing."""
         if not self._watching:  # the next watched step invalidates every encoding anyway
             return
         started = time.perf_counter()
         if params is not None:
             self.cache.invalidate(storage_addresses(params))
+        self._encode_due = True
+        self.charge(time.perf_counter() - started)
+
+    def encode_due_weights(self) -> None:
+        """Run the re-encoding ``refresh_weights`` left due (the caller times it)."""
+        if not self._encode_due:
+            return
+        self._encode_due = False
         if torch._C._len_torch_dispatch_stack() == 0:
             self.cache.refresh()
         else:
             with _disable_current_modes():  # the encoding's own ops are not the model's
                 self.cache.refresh()
-        self.charge(time.perf_counter() - started)  # a cost of the guard, often between steps
 
     def on_gemm(self, gemm: Gemm, site: str | None = None, phase: str | None = None) -> None:
         """Called by the dispatch mode (or the compiled route's ``check_gemm``, with the
@@ -103,6 +114,8 @@ class CheckIntake:
             return
         started = time.perf_counter()
         try:
+            if self._encode_due:  # a long-lived block without a step boundary since the optimizer step
+                self.encode_due_weights()
             self._on_gemm(gemm, site, phase)
         finally:
             self._ledger.hook_seconds += time.perf_counter() - started
