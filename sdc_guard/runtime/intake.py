@@ -21,12 +21,12 @@ from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .attention import AttentionCall, verify as verify_attention
-from .cache import storage_address, storage_addresses
-from .checker import verifiable
-from .intercept import GLOBAL_SITE, Gemm, current_phase
-from .ledger import Pending
+from .cache import WeightCache, storage_address, storage_addresses
+from .checker import Checker, verifiable
+from .intercept import GLOBAL_SITE, Gemm, SiteTracker, current_phase
+from .ledger import Pending, StepLedger
 from .report import KindKey
-from .sampling import SiteKey
+from .sampling import Sampler, SiteKey
 
 if TYPE_CHECKING:
     from .guard import Guard
@@ -46,6 +46,17 @@ def active_guards() -> list["Guard"]:
 class CheckIntake:
     """The per-GEMM methods of ``Guard`` (which inherits them): they read the guard's
     ledger, cache, sampler, checker and site tracker, set up by ``Guard.__init__``."""
+
+    # what Guard.__init__ sets and these methods read
+    _ledger: StepLedger
+    _sites: SiteTracker
+    _watching: bool
+    _attempt: int
+    _encode_due: bool
+    cache: WeightCache
+    sampler: Sampler
+    checker: Checker
+    backend: str | None
 
     # --- per GEMM --------------------------------------------------------------------------
 
