@@ -601,3 +601,47 @@ def test_higher_order_ops_in_a_compiled_model_are_counted_not_passed_silently(ba
     assert report.unverified_ops["higher_order.cond"] == 1
     assert report.unverified_ops["higher_order.flex_attention"] == 1
     assert report.unverified_ops["higher_order.tag_activation_checkpoint"] >= 1
+
+
+class Checkpointed(torch.nn.Module):
+    """Two blocks of two Linears, each under activation checkpointing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+@pytest.mark.slow  # a model through inductor, twice: see CONTRIBUTING.md
+def test_activation_checkpointing_under_compile_is_verified_on_the_dispatch_route():
+    """The compiled route can only count checkpointed bodies; ``compiled=False`` on a model
+    compiled before the block verifies every GEMM of its compiled code: the forward, the
+    recomputation and the backward, with the gradients of the unguarded compiled model."""
+    def run(compiled: bool | None):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Checkpointed()
+        target = torch.compile(model, backend="inductor")
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        target(x).sum().backward()  # compiled outside the block (warm-up)
+        model.zero_grad()
+        with sdc_guard.protect(target, compiled=compiled) if compiled is not None else contextlib.nullcontext() as g:
+            target(x).sum().backward()
+        return [p.grad for p in model.parameters()], g.last_report if compiled is not None else None
+
+    clean, _ = run(None)
+    counted_grads, counted = run(True)
+    grads, report = run(False)
+    assert counted.verified == 0 and counted.unverified_ops.get("higher_order.tag_activation_checkpoint", 0) >= 1
+    # 4 Linears forward; the backward recomputes what it needs of each block (its first
+    # Linear, whose output the ReLU's gradient reads: 2); 2 gradients each but the first
+    # input's, which needs none (7)
+    assert (report.seen, report.verified, report.flagged, report.unverified_ops) == (13, 13, 0, {})
+    for a, b, c in zip(grads, clean, counted_grads):
+        assert torch.equal(a, b) and torch.equal(c, b)
