@@ -593,9 +593,12 @@ def test_higher_order_ops_in_a_compiled_model_are_counted_not_passed_silently(ba
     x = torch.ones(4, 8)
     with torch.no_grad():  # CPU flex attention has no backward
         clean = compiled(x)
-        with sdc_guard.protect(compiled) as guard:  # one block, one report
-            out = compiled(x)
+        with pytest.warns(RuntimeWarning, match="compiled=False") as warned:
+            with sdc_guard.protect(compiled) as guard:  # one block, one report
+                out = compiled(x)
     assert torch.equal(out, clean)
+    hops = {str(w.message).split()[1] for w in warned if "compiled=False" in str(w.message)}
+    assert hops == {"higher_order.cond", "higher_order.flex_attention", "higher_order.tag_activation_checkpoint"}
     report = guard.last_report
     assert report.seen == report.verified == 0 and report.flagged == 0
     assert report.unverified_ops["higher_order.cond"] == 1
