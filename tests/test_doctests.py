@@ -17,7 +17,12 @@ MODULES = sorted(
 )
 
 
-@pytest.mark.parametrize("name", MODULES)
+#: modules whose import takes seconds (Lightning, transformers): slow, as their suites are
+FRAMEWORK_MODULES = {"sdc_guard.integrations.lightning", "sdc_guard.integrations.transformers"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=(pytest.mark.slow,) if n in FRAMEWORK_MODULES else ())
+                                  for n in MODULES])
 def test_docstring_examples(name: str) -> None:
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
