@@ -17,6 +17,19 @@ if not torch.cuda.is_available():
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and counters empty before and after the test (the compile tests:
+    graph counts and recompilations are asserted, and a cache entry left by one test would
+    change what the next one compiles)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(autouse=True)
 def _seed_torch(request: pytest.FixtureRequest) -> None:
     """Seed torch's global generator per test, from the test's id: a test draws the same

@@ -30,12 +30,7 @@ from models import MLP, TinyGPT, lm_batch  # noqa: E402
 GPT_GEMMS = 2 * (6 + 12) + 3
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 def graphs() -> int:

@@ -18,12 +18,7 @@ from sdc_guard.runtime import function_mode, graph_checks
 from sdc_guard.runtime.inject import GemmFault, drill
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 class Attn(nn.Module):
