@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import distributed
-from .outcome import (EXIT_NONDETERMINISTIC, EXIT_PERSISTENT, EXIT_TRANSIENT, SDCError, SDCExit, StepOutcome,
+from .outcome import (EXIT_COLLECTIVE, EXIT_NONDETERMINISTIC, EXIT_PERSISTENT, EXIT_TRANSIENT, SDCError, SDCExit, StepOutcome,
                       Triage, write_exit_report)
 from .rerun import StepState, grads_of
 from .snapshot import SnapshotStore
@@ -62,8 +62,9 @@ class Responder:
         an unwatched step pays nothing for it."""
         guard = self.guard
         started = time.perf_counter()
-        calibrating = guard.replays.due(closure is not None and (not replay or replay_started is not None),
-                                        first_run_started=replay_started if replay else None)
+        with guard.unintercepted():  # its agreement across ranks is the guard's collective, not the step's
+            calibrating = guard.replays.due(closure is not None and (not replay or replay_started is not None),
+                                            first_run_started=replay_started if replay else None)
         state = None
         if guard.watching or guard.screens_gradients:
             with guard.unintercepted():
@@ -277,6 +278,8 @@ class Responder:
     def _exit(self, outcome: StepOutcome) -> None:
         code = {"persistent": EXIT_PERSISTENT, "non_deterministic": EXIT_NONDETERMINISTIC}.get(
             outcome.classification or "", EXIT_TRANSIENT)
+        if code == EXIT_PERSISTENT and _only_collectives(outcome):
+            code = EXIT_COLLECTIVE  # the link, not the compute
         try:
             if self.policy.exit_report_dir is not None and distributed.rank() == 0:
                 write_exit_report(self.policy.exit_report_dir, code, outcome)
@@ -290,6 +293,15 @@ class Responder:
             pass
         raise SDCExit(code, outcome)
 
+
+
+def _only_collectives(outcome: StepOutcome) -> bool:
+    """Whether every rank's detections at this step were in collectives (one small
+    collective: all ranks exit with the same code)."""
+    kinds = {d.kind for d in outcome.detections}
+    mine = 0 if not kinds else (1 if kinds == {"collective"} else 2)
+    agreed = distributed.agree_max(mine)
+    return agreed == 1
 
 
 def _classify(original: frozenset, signatures: list[frozenset], rerun_grads: list) -> Triage:

@@ -351,3 +351,9 @@ class GemmInterceptor(RoutingMode):
 
     def on_opaque(self, name: str) -> None:
         self.sink.on_unverified(name)
+
+    def collective(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A collective (``ops.Route.COLLECTIVE``): run by the sink, which checks it
+        (``Guard.on_collective``); a sink without ``on_collective`` just runs it."""
+        on_collective = getattr(self.sink, "on_collective", None)
+        return func(*args, **kwargs) if on_collective is None else on_collective(func, args, kwargs)

@@ -35,7 +35,8 @@ from torch import Tensor
 
 from .budget import Budget  # noqa: F401  (a sampler of this module's family)
 from .sampler_base import (  # noqa: F401  (the samplers' contract, importable here as before)
-    SAMPLER_METHODS, STATEFUL_METHODS, Sampler, SiteKey, Stateless, StepCosts, check_sampler, sampler_watches,
+    SAMPLER_METHODS, STATEFUL_METHODS, Sampler, SiteKey, Stateless, StepCosts, check_sampler, sampler_shared,
+    sampler_watches,
     _check_int, _check_positive_int, _check_weight,
 )
 
@@ -116,6 +117,8 @@ class Rotating:
     >>> r = Rotating(2); r.begin_step(0); r.should_verify(("a", "forward", "mm"))
     True
     """
+
+    shared_schedule = True  #: every step is watched, on every rank
 
     def __init__(self, k: int) -> None:
         self.k = _check_positive_int("k", k)
@@ -243,6 +246,12 @@ class Screened:
 
     def watches_step(self) -> bool:
         return self.background is not None and sampler_watches(self.background)
+
+    @property
+    def shared_schedule(self) -> bool:
+        """No step is watched without a background (re-executions run on every rank at
+        once); with one, its schedule."""
+        return self.background is None or sampler_shared(self.background)
 
     def should_verify(self, site: SiteKey) -> bool:
         return self.background is not None and self.background.should_verify(site)
