@@ -78,16 +78,21 @@ class CollectiveResult:
 
     detections: list[Detection] = field(default_factory=list)
     checks: int = 0  #: collectives checked
+    by_op: dict[str, int] = field(default_factory=dict)  #: collectives checked, by op
     unchecked: dict[str, int] = field(default_factory=dict)  #: by ``op[reason]``
     seconds: float = 0.0  #: the checks' time: checksums, the exchange, the verdicts
+    exchange_seconds: float = 0.0  #: the part the exchange's all-reduces took
+    exchanged: int = 0  #: fp64 numbers this rank sent in them
 
     def into(self, report: StepReport) -> None:
         """Add what the checks found to the step's report (a detection flags the step)."""
         report.detections.extend(self.detections)
         report.flagged += len(self.detections)
         report.collective_checks = self.checks
+        report.collective_checks_by_op = dict(self.by_op)
         report.collectives_unchecked = dict(self.unchecked)
         report.collective_seconds = self.seconds
+        report.collective_exchange_seconds = self.exchange_seconds
 
 
 class CollectiveChecks:
@@ -102,6 +107,7 @@ class CollectiveChecks:
         self._warn = warn
         self._buckets = 0
         self.enabled = False
+        self.last_exchanged = 0  #: fp64 numbers the last closed step exchanged (``sdc-guard bench collectives``)
         self._records: list[Record] = []
         self._unchecked: dict[str, int] = {}
         self._seconds = 0.0
@@ -232,6 +238,7 @@ class CollectiveChecks:
                 for name in sorted(by_group):
                     self._exchange(by_group[name], step, rank, result)
         result.seconds = self._seconds + sum(r.seconds for r in records) + time.perf_counter() - started
+        self.last_exchanged = result.exchanged
         self._seconds = 0.0
         return result
 
@@ -255,10 +262,13 @@ class CollectiveChecks:
         parts = [header] + [r.sent if r.sent is not None and r.failed is None
                             else torch.full((r.slots,), math.nan, dtype=torch.float64, device=device)
                             for r in records]
+        began = time.perf_counter()
         try:
             exchanged = torch.cat(parts)
             dist.all_reduce(exchanged, group=group)
             values = exchanged.cpu()
+            result.exchange_seconds += time.perf_counter() - began
+            result.exchanged += exchanged.numel()
         except Exception as exc:  # a broken group: the step's collectives go unchecked
             self._warn(f"collective-exchange:{type(exc).__name__}", f"sdc_guard: the collectives' checksum "
                        f"exchange failed ({type(exc).__name__}: {exc}); they go unchecked")
@@ -273,6 +283,8 @@ class CollectiveChecks:
                 step, f"checksum exchange ({group.group_name})", "exchange", records[0].phase, [], [],
                 math.inf, (len(values),), "float64", records[0].call_index, rank, "collective", senders, rank))
             result.checks += len(records)
+            for r in records:
+                result.by_op[r.call.op] = result.by_op.get(r.call.op, 0) + 1
             return
         offset = 4
         for r in records:
@@ -286,6 +298,7 @@ class CollectiveChecks:
                                f"{r.call.op} ({r.failed}); it goes unchecked")
                 continue
             result.checks += 1
+            result.by_op[r.call.op] = result.by_op.get(r.call.op, 0) + 1
             detection = _verdict(r, block, step, rank)
             if detection is not None:
                 result.detections.append(detection)

@@ -127,9 +127,13 @@ class StepReport:
     #: collectives checked (``runtime/collective_checks.py``); their detections are in
     #: ``detections`` (kind "collective") and ``flagged``
     collective_checks: int = 0
+    #: the same, by op ("all_reduce", "all_gather", "reduce_scatter")
+    collective_checks_by_op: dict[str, int] = field(default_factory=dict)
     #: collectives seen but not checked, by ``op[reason]`` (a max reduction, an integer dtype, ...)
     collectives_unchecked: dict[str, int] = field(default_factory=dict)
     collective_seconds: float = 0.0  #: what the collective checks took (part of guard_seconds)
+    #: the part of it the checksum exchange took: one small all-reduce per process group
+    collective_exchange_seconds: float = 0.0
 
     @property
     def attention_checks(self) -> int:
