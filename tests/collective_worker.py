@@ -31,8 +31,14 @@ import sdc_guard
 from models import TinyGPT, lm_batch
 from sdc_guard.runtime.sampler_base import Stateless
 
-#: a worker that has not finished by then dumps its stacks and exits (a test never hangs)
+#: a worker that has not finished by then dumps its stacks and exits (a test never hangs);
+#: more for long runs (``deadline``)
 WORKER_TIMEOUT = 240
+
+
+def deadline(jobs: int, steps: int) -> float:
+    """Seconds a run of ``jobs`` jobs of ``steps`` steps may take on two shared cores."""
+    return max(WORKER_TIMEOUT, 2.0 * jobs * steps)
 
 
 class CollectivesOnly(Stateless):
@@ -147,19 +153,21 @@ def train(kind: str, dtype: torch.dtype, scenario: str, rank: int, world_size: i
             "state": full_state(model)}
 
 
-def run(rank: int, world_size: int, port: int, kind: str, dtype_name: str, scenarios: list[str], steps: int,
-        out_dir: str) -> None:
-    faulthandler.dump_traceback_later(WORKER_TIMEOUT, exit=True)
+def run(rank: int, world_size: int, port: int, jobs: list[tuple[str, str, str]], steps: int, out_dir: str) -> None:
+    """Run each ``(kind, dtype, scenario)`` job in turn in one process group; write every
+    job's reports (``rank<r>.json``) and final state (``rank<r>.pt``) under
+    ``"kind/dtype/scenario"``."""
+    faulthandler.dump_traceback_later(deadline(len(jobs), steps), exit=True)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        dtype = getattr(torch, dtype_name)
         states, summary = {}, {}
-        for scenario in scenarios:
-            result = train(kind, dtype, scenario, rank, world_size, steps)
-            states[scenario] = result.pop("state")
-            summary[scenario] = result
+        for kind, dtype_name, scenario in jobs:
+            result = train(kind, getattr(torch, dtype_name), scenario, rank, world_size, steps)
+            key = f"{kind}/{dtype_name}/{scenario}"
+            states[key] = result.pop("state")
+            summary[key] = result
         torch.save(states, Path(out_dir) / f"rank{rank}.pt")
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(summary))
         dist.barrier()  # no rank tears gloo down while another still talks to it
@@ -168,3 +176,10 @@ def run(rank: int, world_size: int, port: int, kind: str, dtype_name: str, scena
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # gloo's threads can abort interpreter finalization (see ddp_worker.py)
+
+
+def results(out_dir: Path, world_size: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every rank's summaries and states, as ``run`` wrote them."""
+    summaries = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+    states = [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]
+    return summaries, states

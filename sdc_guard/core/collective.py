@@ -7,9 +7,9 @@ Two kinds of check, both linear in the data:
 
 - **Reductions** (all-reduce, reduce-scatter): the result ``r = x_0 + ... + x_{g-1}`` (or
   that over ``g`` for an average) is a sum, so per segment of ``SEGMENT`` elements the
-  checksum of the result must equal the sum of the senders' checksums up to the rounding
-  of the reduction. ``segment_sums`` gives each segment's sum (and, for a sender, its sum of
-  absolute values); ``reduction_bound`` the worst-case difference a correct device can
+  checksums of the result (the sums of its even and of its odd elements) must equal the
+  sums of the senders' up to the rounding of the reduction. ``segment_sums`` gives them
+  (and, for a sender, the segment's sum of absolute values); ``reduction_bound`` the worst-case difference a correct device can
   produce; ``reduction_flags`` compares.
 - **Data movement** (all-gather): nothing is computed, so each shard must arrive bit for
   bit. ``bit_checksums`` reads a shard's raw bits as integers and sums them modulo 2^32,
@@ -63,15 +63,21 @@ def segment_sizes(numel: int, device: torch.device | str = "cpu") -> Tensor:
 
 def segment_sums(x: Tensor, *, with_abs: bool, rows: int = 1) -> tuple[Tensor, Tensor | None]:
     """Per segment of each of the ``rows`` equal parts of the flat ``x`` (a reducible float
-    dtype; ``rows``: the chunks a reduce-scatter sends to each rank): its sum and
-    (``with_abs``) its sum of absolute values, fp64 ``[rows, segments]`` (``[segments]``
-    for one row). Full segments are summed in fp32 partials of ``PARTIAL`` elements, then
-    in fp64 (``x`` in fp64: fp64 throughout); a short tail directly in fp64. The rounding
-    of both stages is in ``reduction_bound``.
+    dtype; ``rows``: the chunks a reduce-scatter sends to each rank): the sums of its
+    even-indexed and of its odd-indexed elements, fp64 ``[rows, segments, 2]``, and (``with_abs``)
+    its sum of absolute values, fp64 ``[rows, segments]`` (without the ``rows`` dimension
+    for one row).
+
+    Two interleaved sums rather than one: a gradient whose segments sum to zero by
+    construction (anything before a LayerNorm: each token's row sums to zero) would hide a
+    zeroed segment from a plain sum; the even and the odd halves do not cancel that way.
+    Full segments are summed in fp32 partials of ``PARTIAL / 2`` elements (``PARTIAL`` for
+    the magnitudes), then in fp64 (``x`` in fp64: fp64 throughout); a short tail directly
+    in fp64. The rounding of both stages is in ``reduction_bound``.
 
     >>> s, a = segment_sums(torch.tensor([1.0, -2.0, 3.0]), with_abs=True)
     >>> s.tolist(), a.tolist()
-    ([2.0], [6.0])
+    ([[4.0, -2.0]], [6.0])
     """
     flat = x.reshape(rows, -1)
     n = flat.shape[1]
@@ -79,13 +85,17 @@ def segment_sums(x: Tensor, *, with_abs: bool, rows: int = 1) -> tuple[Tensor, T
     acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
     parts_sum, parts_abs = [], []
     if full:
-        main = flat[:, : full * SEGMENT].unflatten(1, (full, SEGMENT // PARTIAL, PARTIAL))
-        parts_sum.append(main.sum(3, dtype=acc).sum(2, dtype=torch.float64))
+        main = flat[:, : full * SEGMENT]
+        halves = [main[:, start::2].unflatten(1, (full, SEGMENT // PARTIAL, PARTIAL // 2))
+                  .sum(3, dtype=acc).sum(2, dtype=torch.float64) for start in (0, 1)]
+        parts_sum.append(torch.stack(halves, 2))
         if with_abs:
-            parts_abs.append(main.abs().sum(3, dtype=acc).sum(2, dtype=torch.float64))
+            parts_abs.append(main.abs().unflatten(1, (full, SEGMENT // PARTIAL, PARTIAL))
+                             .sum(3, dtype=acc).sum(2, dtype=torch.float64))
     if n % SEGMENT or not n:
         tail = flat[:, full * SEGMENT:]
-        parts_sum.append(tail.sum(1, dtype=torch.float64, keepdim=True))
+        parts_sum.append(torch.stack([tail[:, 0::2].sum(1, dtype=torch.float64),
+                                      tail[:, 1::2].sum(1, dtype=torch.float64)], 1).unsqueeze(1))
         if with_abs:
             parts_abs.append(tail.abs().sum(1, dtype=torch.float64, keepdim=True))
     sums = parts_sum[0] if len(parts_sum) == 1 else torch.cat(parts_sum, 1)
@@ -99,7 +109,9 @@ def segment_sums(x: Tensor, *, with_abs: bool, rows: int = 1) -> tuple[Tensor, T
 
 def reduction_bound(abs_sums: Tensor, sizes: Tensor, dtype: torch.dtype, group_size: int, scale: int) -> Tensor:
     """The largest ``|scale * checksum(result) - sum_j checksum(x_j)|`` a correct reduction
-    of ``group_size`` ranks in ``dtype`` can produce, per segment, fp64.
+    of ``group_size`` ranks in ``dtype`` can produce, per segment, fp64, for either of a
+    segment's two sums (its even and its odd elements: each covers a subset of the
+    segment, so the segment's magnitudes bound both).
 
     ``abs_sums``: the segments' ``sum_j sum_i |x_ij|`` as computed by ``segment_sums`` and
     added over the ranks in fp64; ``sizes``: elements per segment; ``scale``: 1 for a sum,
@@ -110,11 +122,11 @@ def reduction_bound(abs_sums: Tensor, sizes: Tensor, dtype: torch.dtype, group_s
     - the reduction itself: each element of the result is rounded ``k`` times (``g - 1``
       additions; an average adds the division, or the multiplication by ``1/g`` and that
       factor's own rounding, so ``g + 1``), ``gamma_k(u) sum_j |x_ij|``;
-    - the checksums: fp32 partial sums of ``PARTIAL`` elements on the sender and on the
-      receiver (``gamma_{PARTIAL-1}(2^-24)`` of the magnitudes each), the fp64 stages over
-      the partials, over the ranks and the scaling (``gamma_{SEGMENT/PARTIAL + g + 2}(2^-53)``);
-      the sums of magnitudes are computed from below, so they are divided by one minus
-      those;
+    - the checksums: fp32 partial sums of ``PARTIAL / 2`` elements on the sender and on the
+      receiver (``gamma_{PARTIAL/2-1}(2^-24)`` of the magnitudes each), the fp64 stages
+      over the partials, over the ranks and the scaling (``gamma_{SEGMENT/PARTIAL + g + 2}(2^-53)``);
+      the sums of magnitudes (fp32 partials of ``PARTIAL``) are computed from below, so
+      they are divided by one minus their own rounding;
     - underflow: ``k`` roundings per element near zero, each losing up to
       ``UNDERFLOW[dtype]`` (scaled), and four fp32 sums per element losing up to 2^-126;
     - ``1 + 2^-20``: the rounding of this formula's own fp64 evaluation.
@@ -124,28 +136,31 @@ def reduction_bound(abs_sums: Tensor, sizes: Tensor, dtype: torch.dtype, group_s
     u = UNIT_ROUNDOFF[dtype]
     u_sum = 2.0 ** -53 if dtype == torch.float64 else 2.0 ** -24
     reduce_rel = gamma(k, u) if k > 0 else 0.0
-    e_part = gamma(PARTIAL - 1, u_sum)
+    e_sum = gamma(PARTIAL // 2 - 1, u_sum)
+    e_abs = gamma(PARTIAL - 1, u_sum)
     e_fp64 = gamma(SEGMENT // PARTIAL + g + 2, 2.0 ** -53)
-    rel = reduce_rel + 2.0 * (e_part + e_fp64) * (1.0 + reduce_rel)
-    magnitudes = abs_sums / (1.0 - e_part - e_fp64)
+    rel = reduce_rel + 2.0 * (e_sum + e_fp64) * (1.0 + reduce_rel)
+    magnitudes = abs_sums / (1.0 - e_abs - e_fp64)
     floor = sizes * (k * UNDERFLOW[dtype] * scale + 4.0 * 2.0 ** -126)
     return (rel * magnitudes + floor) * (1.0 + 2.0 ** -20)
 
 
 def reduction_flags(received: Tensor, expected: Tensor, abs_sums: Tensor, sizes: Tensor, dtype: torch.dtype,
                     group_size: int, scale: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Compare a receiver's segment sums with the senders' (added over the ranks):
-    ``(corrupt, unverifiable, ratio)``, per segment. A segment is corrupt when its
-    difference exceeds ``reduction_bound``, or when its result is not finite although no
-    element could have overflowed legitimately (every sender finite and the magnitudes
-    within ``dtype``'s range); unverifiable when a sender's data was not finite (a
-    legitimate overflow propagates); ``ratio`` is the difference over the bound.
+    """Compare a receiver's segment sums (``[segments, 2]``: even and odd elements) with the
+    senders' (added over the ranks): ``(corrupt, unverifiable, ratio)``, per segment. A
+    segment is corrupt when either difference exceeds ``reduction_bound``, or when its
+    result is not finite although no element could have overflowed legitimately (every
+    sender finite and the magnitudes within ``dtype``'s range); unverifiable when a
+    sender's data was not finite (a legitimate overflow propagates); ``ratio`` is the
+    larger difference over the bound.
     """
     bound = reduction_bound(abs_sums, sizes, dtype, group_size, scale)
-    diff = (received * scale - expected).abs()
-    senders_finite = torch.isfinite(expected) & torch.isfinite(abs_sums)
+    diff = (received * scale - expected).abs().amax(-1)
+    senders_finite = torch.isfinite(expected).all(-1) & torch.isfinite(abs_sums)
+    finite_result = torch.isfinite(received).all(-1)
     may_overflow = abs_sums >= torch.finfo(dtype).max * scale * (1.0 - 1e-3)
-    unverifiable = ~senders_finite | (~torch.isfinite(received) & may_overflow)
+    unverifiable = ~senders_finite | (~finite_result & may_overflow)
     corrupt = ~unverifiable & ((diff > bound) | ~torch.isfinite(diff))
     ratio = torch.where(unverifiable, torch.zeros_like(diff), diff / bound.clamp_min(torch.finfo(torch.float64).tiny))
     return corrupt, unverifiable, ratio

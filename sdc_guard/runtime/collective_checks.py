@@ -169,14 +169,14 @@ class CollectiveChecks:
         assert call.send is not None
         g, me = call.group_size, call.group_rank
         send = call.send
-        if call.op == "all_reduce":
+        if call.op == "all_reduce":  # [sums (segments x 2), magnitudes (segments)]
             numel = send.numel()
             sums, absolute = segment_sums(send, with_abs=True)
-            sent = torch.cat([sums, absolute])
-        elif call.op == "reduce_scatter":
+            sent = torch.cat([sums.reshape(-1), absolute])
+        elif call.op == "reduce_scatter":  # [sums (g x segments x 2), magnitudes (g x segments)]
             numel = send.numel() // g
             sums, absolute = segment_sums(send, with_abs=True, rows=g)
-            sent = torch.stack([sums, absolute]).reshape(-1)
+            sent = torch.cat([sums.reshape(-1), absolute.reshape(-1)])
         else:
             numel = send.numel() * g
             wide = pairs_bits(send.dtype, send.numel())
@@ -322,10 +322,10 @@ def _verdict(r: Record, block: Tensor, step: int, rank: int) -> Detection | None
                          [ranks[j] for j in shards], rank)
     nseg = segments(r.numel)
     if call.op == "all_reduce":
-        expected, magnitudes = block[:nseg], block[nseg:]
+        expected, magnitudes = block[: 2 * nseg].view(nseg, 2), block[2 * nseg:]
     else:
-        both = block.view(2, g, nseg)
-        expected, magnitudes = both[0, me], both[1, me]
+        expected = block[: 2 * g * nseg].view(g, nseg, 2)[me]
+        magnitudes = block[2 * g * nseg:].view(g, nseg)[me]
     corrupt, _, ratio = reduction_flags(received, expected, magnitudes, segment_sizes(r.numel), r.dtype, g, call.scale)
     flagged = torch.nonzero(corrupt).flatten().tolist()
     if not flagged:
