@@ -62,9 +62,8 @@ class Responder:
         an unwatched step pays nothing for it."""
         guard = self.guard
         started = time.perf_counter()
-        with guard.unintercepted():  # its agreement across ranks is the guard's collective, not the step's
-            calibrating = guard.replays.due(closure is not None and (not replay or replay_started is not None),
-                                            first_run_started=replay_started if replay else None)
+        calibrating = guard.replays.due(closure is not None and (not replay or replay_started is not None),
+                                        first_run_started=replay_started if replay else None)
         state = None
         if guard.watching or guard.screens_gradients:
             with guard.unintercepted():
