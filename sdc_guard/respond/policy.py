@@ -120,7 +120,8 @@ class Policy:
     on_nondeterministic: str = "skip"
     reruns: int = 1
     window: int = 100
-    exit_report_dir: str | os.PathLike | None = None  #: where ``exit`` writes ``sdc_guard-exit.json``
+    #: where ``exit`` writes ``sdc_guard-exit.json`` (None: ``$SDC_GUARD_EXIT_REPORT_DIR``, else nowhere)
+    exit_report_dir: str | os.PathLike | None = None
     persistent_steps: list[int] = field(default_factory=list)  #: escalation memory
     #: the user's own state a re-execution restores (Megatron's ``state_save_func`` /
     #: ``state_restore_func``): ``save_state()`` is called before each guarded step's

@@ -6,6 +6,7 @@ in lockstep across ranks. What a re-execution restores is ``sdc_guard.respond.re
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -26,6 +27,10 @@ if TYPE_CHECKING:
     from .policy import Policy
 
 log = logging.getLogger("sdc_guard")
+
+#: where the exit report goes when the policy names no ``exit_report_dir``: set by the
+#: job's scheduler script, which reads the report after the run (docs/OPERATIONS.md)
+ENV_EXIT_REPORT_DIR = "SDC_GUARD_EXIT_REPORT_DIR"
 
 
 def _signature(report: "StepReport") -> frozenset:
@@ -281,15 +286,16 @@ class Responder:
 
     def _exit(self, outcome: StepOutcome) -> None:
         code = outcome.exit_code = code_for(outcome.classification)
+        directory = self.policy.exit_report_dir or os.environ.get(ENV_EXIT_REPORT_DIR) or None
         try:
-            if self.policy.exit_report_dir is not None:
+            if directory is not None:
                 # every rank: which node and device each flagged rank is, for the report
                 devices = [i.as_dict() for i in gather_identities(local_identity(_device_of(self.guard.model)))]
                 if distributed.rank() == 0:
-                    write_exit_report(self.policy.exit_report_dir, code, outcome, devices)
+                    write_exit_report(directory, code, outcome, devices)
         except Exception as exc:  # the exit code is what the scheduler acts on: keep it
             log.error("sdc_guard: could not write the exit report to %s (%s: %s); exiting with code %d anyway",
-                      self.policy.exit_report_dir, type(exc).__name__, exc, code)
+                      directory, type(exc).__name__, exc, code)
         log.error("sdc_guard: exiting with code %d (%s) at step %d", code, outcome.classification, outcome.step)
         try:
             sys.stdout.flush()
