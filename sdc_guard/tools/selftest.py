@@ -33,7 +33,7 @@ from typing import Any, Iterator
 import torch
 
 from .. import backends
-from ..backends import Backend, TritonBackend
+from ..backends import Backend, GemmRequest, TritonBackend
 from ..respond.identity import device_uuid, node_name
 from . import selftest_history
 from .selftest_cases import DTYPES, SHAPES, CheckResult, run_case
@@ -76,13 +76,25 @@ class Row:
 
 
 def _devices_of(backend: Backend) -> list[str]:
-    """Every device of the backend's kind in this process (each GPU of the host)."""
-    kind = getattr(backend, "device_type", "cpu")
+    """Every device of this process the backend checks GEMMs on: each of the host's
+    GPUs, not only the current one. A backend tied to a device type (Triton, the NPU
+    operator) has that type's; the others (torch, the native CPU kernels) those of the CPU
+    and the CUDA devices that they accept."""
+    kind = getattr(backend, "device_type", None)
     if kind == "cpu":
         return ["cpu"]
-    module = getattr(torch, kind, None)
-    count = module.device_count() if module is not None and hasattr(module, "device_count") else 1
-    return [f"{kind}:{i}" for i in range(max(count, 1))]
+    if kind is not None:
+        module = getattr(torch, kind, None)
+        count = module.device_count() if module is not None and hasattr(module, "device_count") else 1
+        return [f"{kind}:{i}" for i in range(max(count, 1))]
+    devices = ["cpu"] + ([f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else [])
+    return [d for d in devices if _accepts(backend, d)]
+
+
+def _accepts(backend: Backend, device: str) -> bool:
+    """Whether ``backend`` takes a plain fp32 GEMM on ``device``."""
+    probe = torch.zeros((8, 16), device=device), torch.zeros((16, 8), device=device), torch.zeros((8, 8), device=device)
+    return backend.rejects(GemmRequest(*probe, 1e-3)) is None
 
 
 def found_backends() -> list[Backend]:
