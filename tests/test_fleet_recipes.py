@@ -183,6 +183,8 @@ def test_kubernetes_manifest_maps_every_exit_code_and_marks_the_node() -> None:
 
     kubectl = shutil.which("kubectl")
     if kubectl is None:
+        if os.environ.get("CI"):  # CI must run what the suite claims to test, not skip it
+            pytest.fail("kubectl is not on PATH: CI needs it to parse the manifest as Kubernetes objects")
         pytest.skip("kubectl is not installed: the YAML parse above is all")
     parsed = subprocess.run([kubectl, "annotate", "--local", "-f", str(FLEET / "kubernetes.yaml"), "checked=yes",
                              "-o", "name"], capture_output=True, text=True, timeout=60)
