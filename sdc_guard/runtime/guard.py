@@ -37,6 +37,7 @@ from ..core.precision import check_screen
 from .ledger import StepLedger
 from .module_names import ModuleNames
 from .report import StepReport
+from ..respond.events import resolve_events
 from ..respond.outcome import StepOutcome
 from ..respond.policy import Policy
 from ..respond.responder import Responder
@@ -77,6 +78,7 @@ class Guard(CheckIntake):
         screen: str = "default",
         compiled: bool | None = None,
         calibrate_every: int | None = DEFAULT_EVERY,
+        events: Any = None,
         collectives: bool = True,
     ) -> None:
         check_guard_arguments(model, sampler=sampler, e_max=e_max, backend=backend, history=history,
@@ -93,6 +95,8 @@ class Guard(CheckIntake):
         self.policy = policy if policy is not None else Policy()
         self.snapshots = snapshots
         self.metrics = metrics
+        #: structured events (``respond/events.py``): ``events``, else ``$SDC_GUARD_EVENTS``
+        self.events = resolve_events(events, next((p.device for p in model.parameters()), None))
         self.outcomes: deque[StepOutcome] = deque(maxlen=history)
         self._responder: Responder | None = None
         self._attempt = 0
@@ -477,18 +481,19 @@ class Guard(CheckIntake):
         self._carry = 0.0
 
     def publish(self, method: str, item: Any) -> None:
-        """Hand a report or outcome to the metrics sink (``method``: ``"observe_report"``
-        or ``"observe_outcome"``); a failure there warns once per sink in total, across
+        """Hand a report or outcome to the metrics sink and the event log (``method``:
+        ``"observe_report"`` or ``"observe_outcome"``); a failure there warns once per sink in total, across
         the per-step ``protect()`` blocks that share it. Public because the responder
         (``respond/policy.py``) publishes the step's outcome."""
-        if self.metrics is None:
-            return
-        try:
-            getattr(self.metrics, method)(item)
-        except Exception as exc:  # monitoring never stops training
-            self._warn_once("metrics", f"sdc_guard: metrics {method} failed ({type(exc).__name__}: "
-                            f"{exc}); training continues (further failures of this sink are not reported)",
-                            owner=self.metrics)
+        for sink in (self.metrics, self.events):  # the event log warns for its own target
+            if sink is None:
+                continue
+            try:
+                getattr(sink, method)(item)
+            except Exception as exc:  # monitoring never stops training
+                self._warn_once("metrics", f"sdc_guard: metrics {method} failed ({type(exc).__name__}: "
+                                f"{exc}); training continues (further failures of this sink are not reported)",
+                                owner=sink)
 
     def _warn_once(self, key: str, message: str, *, owner: Any = None) -> None:
         """Warn once per ``key`` and ``owner`` (default: the model): the state lives with
@@ -519,6 +524,7 @@ def protect(
     screen: str = "default",
     compiled: bool | None = None,
     calibrate_every: int | None = DEFAULT_EVERY,
+    events: Any = None,
     collectives: bool = True,
 ) -> Guard:
     """Verify the GEMMs ``model`` runs inside the block, forward and backward.
@@ -549,6 +555,9 @@ def protect(
     ``sdc_guard.runtime.calibration``),
     so that ``StepReport.overhead`` is the guard's whole cost; ``None`` never replays (the
     closure then runs once per step, and the reported interception stays an estimate);
+    ``events``: where a JSON line goes for each detection, response and exit (a path, ``"-"``
+    for standard error, a text stream or a callable; default ``$SDC_GUARD_EVENTS``, else
+    none; ``sdc_guard.respond.events``, docs/OPERATIONS.md);
     ``collectives`` (default True): with ``torch.distributed`` initialised, check the
     all-reduces, all-gathers and reduce-scatters of each watched step, what each rank
     received against what was sent (docs/DISTRIBUTED.md, "Collectives"; on the dispatch
@@ -562,4 +571,5 @@ def protect(
     """
     return Guard(model, sampler=sampler, e_max=e_max, backend=backend, history=history,
                  cache_bytes=cache_bytes, policy=policy, snapshots=snapshots, metrics=metrics, stats=stats,
-                 screen=screen, compiled=compiled, calibrate_every=calibrate_every, collectives=collectives)
+                 screen=screen, compiled=compiled, calibrate_every=calibrate_every, events=events,
+                 collectives=collectives)
