@@ -45,6 +45,8 @@ from ..core.collective import (
     bit_checksums, exchange_layout_digest, pairs_bits, reduction_flags, segment_sizes, segment_sums, segments,
 )
 from .collective_ops import OPS, Collective, Pending, describe, is_wait, run_then
+from .intercept import SiteTracker
+from .module_names import ModuleNames
 from .report import Detection, StepReport
 
 #: record kinds, in the exchange's digest
@@ -98,12 +100,13 @@ class CollectiveResult:
 class CollectiveChecks:
     """The collective checks of one guard: records per step, the exchange, the verdicts.
 
-    ``site(module, tensor)`` names the module a collective belongs to (``module``: the
-    FSDP2 parameter group's, found by ``fsdp_module``, else ``None``: the module running
-    now); ``warn(key, message)`` warns once (the guard's)."""
+    ``sites`` (the guard's site tracker) names the module running when a collective is
+    issued, ``names`` (its ``ModuleNames``) an FSDP2 group's module; ``warn(key, message)``
+    warns once (the guard's)."""
 
-    def __init__(self, site: Callable[[Any, Tensor], str], warn: Callable[[str, str], None]) -> None:
-        self._site = site
+    def __init__(self, sites: SiteTracker, names: ModuleNames, warn: Callable[[str, str], None]) -> None:
+        self._sites = sites
+        self._names = names
         self._warn = warn
         self._buckets = 0
         self.enabled = False
@@ -125,15 +128,19 @@ class CollectiveChecks:
         self._pending.clear()
 
     def _label(self, call: Collective, phase: str) -> str:
-        """The bucket or module of a collective: an FSDP2 group's module, else a DDP
-        bucket (an all-reduce its reducer runs during the backward: ``"bucket k"``, in
-        launch order), else the module running (``"global"`` outside every module)."""
+        """The bucket or module of a collective: an FSDP2 group's module, by its path (the
+        model's class name for the model itself), else a DDP bucket (an all-reduce its
+        reducer runs during the backward: ``"bucket k"``, in launch order), else the module
+        running (``SiteTracker.site``: ``"global"`` outside every module)."""
         module = fsdp_module()
-        if module is None and call.op == "all_reduce" and phase == "backward" and not call.functional:
+        path = self._names.of_module(module) if module is not None else None
+        if path is not None:
+            return path or type(self._names.model).__name__
+        if call.op == "all_reduce" and phase == "backward" and not call.functional:
             self._buckets += 1
             return f"bucket {self._buckets - 1}"
         assert call.send is not None
-        return self._site(module, call.send)
+        return self._sites.site(call.send, ())
 
     def run(self, func: Any, args: tuple, kwargs: dict, *, phase: str, call_index: int) -> Any:
         """Run one collective op of the step, checked where it can be."""

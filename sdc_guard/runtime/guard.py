@@ -134,7 +134,7 @@ class Guard(CheckIntake):
         self.replays = Replays(self, calibrate_every)
         #: check the step's collectives (``runtime/collective_checks.py``), where they can be
         self.collectives = collectives
-        self.collective_checks = CollectiveChecks(self._collective_site, self._warn_once)
+        self.collective_checks = CollectiveChecks(self._sites, self.module_names, self._warn_once)
 
     # --- step lifecycle ------------------------------------------------------------------
 
@@ -347,15 +347,6 @@ class Guard(CheckIntake):
         if not self._step_open:
             return func(*args, **kwargs)
         return self.collective_checks.run(func, args, kwargs, phase=current_phase(), call_index=self._ledger.seen)
-
-    def _collective_site(self, module: Any, tensor: Tensor) -> str:
-        """The module a collective belongs to: ``module`` (an FSDP2 group's, else ``None``)
-        by its path, else the module running now (``SiteTracker.site``)."""
-        if module is not None:
-            path = self.module_names.of_module(module)
-            if path is not None:
-                return path or type(self.model).__name__
-        return self._sites.site(tensor, ())
 
     @property
     def screens_gradients(self) -> bool:
