@@ -12,6 +12,7 @@ import functools
 import math
 import socket
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -292,3 +293,22 @@ def test_no_collective_is_checked_without_a_process_group() -> None:
         model(torch.randn(2, 4)).sum().backward()
     assert not dist.is_initialized()
     assert guard.last_report.collective_checks == 0 and not guard.collective_checks.enabled
+
+
+def test_a_sampler_whose_schedule_differs_between_ranks_leaves_the_collectives_unchecked_and_says_so(
+        one_rank_group: None) -> None:
+    model = torch.nn.Linear(4, 4)
+    buffer = _gradients(1)[0][:SEGMENT].clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with sdc_guard.protect(model, sampler=Budget(0.05)) as guard:
+                model(torch.randn(2, 4)).sum().backward()
+                dist.all_reduce(buffer)
+            assert guard.last_report.collective_checks == 0
+    said = [str(w.message) for w in caught if "the collectives are not checked under Budget" in str(w.message)]
+    assert len(said) == 1, said  # once per model, not once per step
+    with sdc_guard.protect(model, collectives=False) as guard:
+        model(torch.randn(2, 4)).sum().backward()
+        dist.all_reduce(buffer)
+    assert guard.last_report.collective_checks == 0 and not guard.last_report.collectives_unchecked

@@ -48,6 +48,8 @@ from .collective_ops import OPS, Collective, Pending, describe, is_wait, run_the
 from .intercept import SiteTracker
 from .module_names import ModuleNames
 from .report import Detection, StepReport
+from .sampler_base import sampler_shared
+from ..respond.distributed import is_distributed
 
 #: record kinds, in the exchange's digest
 _KIND = {op: i for i, op in enumerate(OPS)}
@@ -118,8 +120,21 @@ class CollectiveChecks:
 
     # --- during the step ---------------------------------------------------------------
 
-    def begin(self, enabled: bool) -> None:
-        """A step opens: drop what the last one left, check collectives if ``enabled``."""
+    def begin(self, *, requested: bool, compiled: bool, sampler: Any) -> None:
+        """A step opens: drop what the last one left; check its collectives if
+        ``requested`` (``protect(collectives=True)`` and a watched step) and a process group
+        exists, on the dispatch route, under a sampler that watches the same steps on
+        every rank (else warn once why not)."""
+        enabled = requested and is_distributed()
+        if enabled and (compiled or not sampler_shared(sampler)):
+            why = ("on the compiled route (protect(compiled=True) or a compiled model): compiled graphs run "
+                   "without the dispatch mode that sees the collectives" if compiled else
+                   f"under {type(sampler).__name__}, whose watched steps differ from rank to rank (the checks "
+                   "exchange checksums in a collective every rank must join); use a sampler that watches the same "
+                   "steps on every rank (Full, EveryN, Rotating) or set its shared_schedule = True")
+            self._warn("collectives:off", f"sdc_guard: the collectives are not checked {why} "
+                       "(docs/DISTRIBUTED.md, 'Collectives')")
+            enabled = False
         self.enabled = enabled
         self._records = []
         self._unchecked = {}

@@ -46,8 +46,6 @@ from ..respond.snapshot import SnapshotStore
 from .stats import ScreenStats
 from .checker import Checker
 from .collective_checks import CollectiveChecks
-from .sampler_base import sampler_shared
-from ..respond.distributed import is_distributed
 from .warn_once import warnings_of
 from .checks import MetricsSink, check_backend, check_guard_arguments, check_metrics_sink, current_rank  # noqa: F401  (also importable here)
 from .optimizer_steps import OptimizerSteps
@@ -194,8 +192,8 @@ class Guard(CheckIntake):
             if not self.compiled:  # compiled graphs know their sites; hooks would recompile them
                 self._sites.start()
         self._watched_last = self._watching
-        self.collective_checks.begin(self.collectives and self._watching and not self.compiled
-                                     and is_distributed() and sampler_shared(self.sampler))
+        self.collective_checks.begin(requested=self.collectives and self._watching, compiled=self.compiled,
+                                     sampler=self.sampler)
         self._step_open = True
         self._sync_mode()
         self._sync_optimizer_hooks()
