@@ -312,3 +312,29 @@ def test_a_sampler_whose_schedule_differs_between_ranks_leaves_the_collectives_u
         model(torch.randn(2, 4)).sum().backward()
         dist.all_reduce(buffer)
     assert guard.last_report.collective_checks == 0 and not guard.last_report.collectives_unchecked
+
+
+def test_a_failing_check_warns_once_and_leaves_the_collective_alone(one_rank_group: None,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A monitoring failure (here: the sender's checksums raise) never breaks the
+    collective or stops training: the all-reduce gives its result, the check is counted as
+    failed, one warning says why."""
+    import sdc_guard.runtime.collective_checks as checks
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("checksum kernel unavailable")
+
+    monkeypatch.setattr(checks, "segment_sums", broken)
+    model = torch.nn.Linear(4, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            buffer = torch.full((10,), float(step + 1))
+            with sdc_guard.protect(model) as guard:
+                model(torch.randn(2, 4)).sum().backward()
+                dist.all_reduce(buffer)
+            assert torch.equal(buffer, torch.full((10,), float(step + 1)))  # one rank: the sum is itself
+            assert guard.last_report.collectives_unchecked == {"all_reduce[failed]": 1}
+            assert guard.last_report.detections == []
+    said = [str(w.message) for w in caught if "checksum kernel unavailable" in str(w.message)]
+    assert len(said) == 1, said

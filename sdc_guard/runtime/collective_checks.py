@@ -187,27 +187,30 @@ class CollectiveChecks:
             raise
 
     def _record(self, call: Collective, phase: str, call_index: int) -> Record:
-        """The sender's checksums of a collective about to run."""
+        """The sender's checksums of a collective about to run. Their size in the exchange
+        is fixed by the collective's shape alone, so that a rank whose checksums fail (a
+        monitoring failure) still sends as many numbers as the others (NaN: unverifiable)."""
         assert call.send is not None
-        g, me = call.group_size, call.group_rank
-        send = call.send
-        if call.op == "all_reduce":  # [sums (segments x 2), magnitudes (segments)]
-            numel = send.numel()
-            sums, absolute = segment_sums(send, with_abs=True)
-            sent = torch.cat([sums.reshape(-1), absolute])
-        elif call.op == "reduce_scatter":  # [sums (g x segments x 2), magnitudes (g x segments)]
-            numel = send.numel() // g
-            sums, absolute = segment_sums(send, with_abs=True, rows=g)
-            sent = torch.cat([sums.reshape(-1), absolute.reshape(-1)])
-        else:
-            numel = send.numel() * g
-            wide = pairs_bits(send.dtype, send.numel())
-            sent = torch.zeros((g, 2), dtype=torch.float64, device=send.device)
-            sent[me] = bit_checksums(send, wide)[0].to(torch.float64)
-            sent = sent.reshape(-1)
-        record = Record(call, self._label(call, phase), phase, call_index, sent.numel(), numel, send.dtype, sent=sent)
-        if call.op == "all_gather":
-            record.wide = pairs_bits(send.dtype, send.numel())
+        g, me, send = call.group_size, call.group_rank, call.send
+        numel = {"all_reduce": send.numel(), "reduce_scatter": send.numel() // g}.get(call.op, send.numel() * g)
+        slots = 2 * g if call.op == "all_gather" else 3 * segments(numel) * (g if call.op == "reduce_scatter" else 1)
+        record = Record(call, self._label(call, phase), phase, call_index, slots, numel, send.dtype,
+                        wide=pairs_bits(send.dtype, send.numel()))
+        try:
+            if call.op == "all_reduce":  # [sums (segments x 2), magnitudes (segments)]
+                sums, absolute = segment_sums(send, with_abs=True)
+                sent = torch.cat([sums.reshape(-1), absolute])
+            elif call.op == "reduce_scatter":  # [sums (g x segments x 2), magnitudes (g x segments)]
+                sums, absolute = segment_sums(send, with_abs=True, rows=g)
+                sent = torch.cat([sums.reshape(-1), absolute.reshape(-1)])
+            else:  # [g x 2]: this rank's shard in its own row, zeros elsewhere
+                sent = torch.zeros((g, 2), dtype=torch.float64, device=send.device)
+                sent[me] = bit_checksums(send, record.wide)[0].to(torch.float64)
+                sent = sent.reshape(-1)
+            assert sent.numel() == slots, (call.op, sent.numel(), slots)
+            record.sent = sent
+        except Exception as exc:  # monitoring never breaks the op: this rank sends NaN
+            record.failed = f"{type(exc).__name__}: {exc}"
         return record
 
     def _landed(self, record: Record, result: Tensor) -> None:
@@ -278,10 +281,11 @@ class CollectiveChecks:
     def _exchange(self, records: list[Record], step: int, rank: int, result: CollectiveResult) -> None:
         group = records[0].call.group
         size = group.size()
-        device = records[0].sent.device if records[0].sent is not None else torch.device("cpu")
+        device = records[0].call.send.device if records[0].call.send is not None else torch.device("cpu")
         digest = exchange_layout_digest([(_KIND[r.call.op], r.slots) for r in records])
         header = torch.tensor([1.0, float(step), float(len(records)), digest], dtype=torch.float64, device=device)
-        parts = [header] + [r.sent if r.sent is not None and r.failed is None
+        # what this rank sent, even when its own result could not be checked: the others need it
+        parts = [header] + [r.sent.to(device) if r.sent is not None
                             else torch.full((r.slots,), math.nan, dtype=torch.float64, device=device)
                             for r in records]
         began = time.perf_counter()
@@ -335,7 +339,8 @@ def _verdict(r: Record, block: Tensor, step: int, rank: int) -> Detection | None
     received = r.received.cpu()
     if call.op == "all_gather":
         sent = block.view(g, 2)
-        bad = (received.to(torch.float64) != sent).any(1)
+        # a sender whose checksums failed sent NaN: its shard is unverifiable, not corrupt
+        bad = ((received.to(torch.float64) != sent) & torch.isfinite(sent)).any(1)
         shards = torch.nonzero(bad).flatten().tolist()
         if not shards:
             return None
