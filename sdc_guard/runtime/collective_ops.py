@@ -77,11 +77,12 @@ def collective_packets() -> frozenset[Any]:
     ``describe`` knows, the ones it counts as unchecked, and ``wait_tensor``."""
     names = {"c10d": ("allreduce_", "_allgather_base_", "_reduce_scatter_base_", "allgather_", "reduce_scatter_",
                       "allreduce_coalesced_", "allgather_into_tensor_coalesced_",
-                      "reduce_scatter_tensor_coalesced_", "alltoall_", "alltoall_base_"),
+                      "reduce_scatter_tensor_coalesced_", "alltoall_", "alltoall_base_", "broadcast_"),
              "_c10d_functional": ("all_reduce", "all_reduce_", "all_gather_into_tensor", "reduce_scatter_tensor",
                                   "all_reduce_coalesced", "all_reduce_coalesced_", "all_gather_into_tensor_coalesced",
                                   "reduce_scatter_tensor_coalesced", "all_gather_into_tensor_out",
-                                  "reduce_scatter_tensor_out", "all_to_all_single", "wait_tensor")}
+                                  "reduce_scatter_tensor_out", "all_to_all_single", "broadcast", "broadcast_",
+                                  "wait_tensor")}
     packets = []
     for namespace, ops in names.items():
         space = getattr(torch.ops, namespace, None)
