@@ -235,10 +235,15 @@ def run_then(func: Any, args: tuple, kwargs: dict, call: Collective, done: Done,
         except RuntimeError:  # gloo's reduce-scatter: no future, and its result lands in wait()
             future = None
     if future is None:
+        waited: list[bool] = []
+
         def wait(timeout: Any = None) -> bool:
+            if waited:  # gloo copies the result out at every wait: once is enough
+                return waited[0]
             # PythonCallbackWork passes 0 for "no timeout"
             ok = work.wait(timeout) if timeout is not None and timeout.total_seconds() > 0 else work.wait()
             once()
+            waited.append(ok)
             return ok
 
         pending.add_finisher(wait)
