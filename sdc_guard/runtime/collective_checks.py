@@ -313,6 +313,7 @@ class CollectiveChecks:
                 result.by_op[r.call.op] = result.by_op.get(r.call.op, 0) + 1
             return
         offset = 4
+        ranks = dist.get_process_group_ranks(group)
         for r in records:
             block = values[offset: offset + r.slots]
             offset += r.slots
@@ -325,17 +326,16 @@ class CollectiveChecks:
                 continue
             result.checks += 1
             result.by_op[r.call.op] = result.by_op.get(r.call.op, 0) + 1
-            detection = _verdict(r, block, step, rank)
+            detection = _verdict(r, block, step, rank, ranks)
             if detection is not None:
                 result.detections.append(detection)
 
 
-def _verdict(r: Record, block: Tensor, step: int, rank: int) -> Detection | None:
+def _verdict(r: Record, block: Tensor, step: int, rank: int, ranks: list[int]) -> Detection | None:
     """This rank's verdict on one collective: a detection, or None when what it received
-    is what was sent."""
+    is what was sent. ``ranks``: the group's global ranks, by group rank."""
     call = r.call
     g, me = call.group_size, call.group_rank
-    ranks = dist.get_process_group_ranks(call.group)
     received = r.received.cpu()
     if call.op == "all_gather":
         sent = block.view(g, 2)

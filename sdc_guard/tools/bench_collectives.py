@@ -12,9 +12,11 @@ round), every rank in lockstep, so that a slow spell of the machine falls on all
 a step's time is the slowest rank's.
 
 Reported per configuration: each copy's median step time; the checks' cost, ``(on - off) /
-baseline``, as the median of per-round ratios and over the totals; and from the guard's
-own reports the checks' time and the exchange's (its all-reduce alone) per step, and how
-many numbers it exchanged.
+baseline``, in wall time as the median of per-round ratios and over the totals, and in
+CPU time (every rank's process, all its threads, over the totals: what the checks compute,
+without the waits a crowded machine adds at every synchronisation); and from the guard's
+own reports the checks' time and the exchange's (its all-reduce alone, waits for the other
+ranks included) per step, and how many numbers it exchanged.
 """
 
 from __future__ import annotations
@@ -95,16 +97,18 @@ def run(args: argparse.Namespace) -> Outcome:
             results.append(json.loads(out.read_text()))
     load_after = load_average()
     rows = [[r["kind"], r["dtype"], f"{r['params']:,}", *(f"{r['step_ms'][c]:.1f}" for c in COPIES),
-             pct(r["checks_cost"]), pct(r["checks_cost_total"]), f"{r['checks_ms']:.2f}", f"{r['exchange_ms']:.2f}",
+             pct(r["checks_cost"]), pct(r["checks_cost_total"]), pct(r["checks_cpu_cost"]), f"{r['checks_ms']:.2f}",
+             f"{r['exchange_ms']:.2f}",
              f"{r['exchanged']:,}", r["checks_per_step"], r["detections"]] for r in results]
     print(table(["config", "dtype", "params", "baseline ms", "off ms", "on ms", "checks cost (median)",
-                 "checks cost (total)", "checks ms/step", "exchange ms/step", "fp64 exchanged/step",
+                 "checks cost (total)", "checks cost (CPU time)", "checks ms/step", "exchange ms/step", "fp64 exchanged/step",
                  "collectives checked/step", "detections"], rows))
     warning = busy_warning(load_before, load_after, torch.device("cpu"))
     if warning:
         print(warning)
-    print("checks cost = (step with collectives on - step with collectives off) / unguarded step; "
-          "both guarded copies verify no GEMM, so the difference is the collective checks")
+    print("checks cost = (step with collectives on - step with collectives off) / unguarded step, in wall time "
+          "(median of the rounds, and over the totals) and in CPU time (every rank's threads, totals); both guarded "
+          "copies verify no GEMM, so the difference is the collective checks")
     return Outcome(0, {"benchmark": "collectives", "machine": machine(torch.device("cpu")),
                        "torch": torch.__version__, "world_size": args.world_size, "config": config,
                        "load_average": [load_before, load_after], "results": results})
@@ -173,11 +177,12 @@ def _worker(rank: int, world_size: int, port: int, kind: str, config: dict[str, 
         rounds = config["warmup"] + config["steps"]
         progress = Progress(rounds, quiet=config["quiet"] or rank != 0, stream=sys.stderr)
         times: dict[str, list[float]] = {name: [] for name in COPIES}
+        cpu: dict[str, list[float]] = {name: [] for name in COPIES}  #: this process's CPU time, all threads
         reports = []
         for r in range(rounds):
             x, y = _batch(config, r, rank)
             order = COPIES[r % len(COPIES):] + COPIES[: r % len(COPIES)]
-            took = {}
+            took, cpu_took = {}, {}
             for name in order:
                 opt, runner = optims[name], runners[name]
 
@@ -188,7 +193,7 @@ def _worker(rank: int, world_size: int, port: int, kind: str, config: dict[str, 
                     return loss
 
                 dist.barrier()
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 if name in guards:
                     with guards[name]:
                         guards[name].optimizer_step(opt, closure)
@@ -196,14 +201,18 @@ def _worker(rank: int, world_size: int, port: int, kind: str, config: dict[str, 
                     closure()
                     opt.step()
                 took[name] = time.perf_counter() - start
+                cpu_took[name] = time.process_time() - cpu_start
             if r >= config["warmup"]:
                 for name in COPIES:
                     times[name].append(took[name])
+                    cpu[name].append(cpu_took[name])
                 reports.append(guards["collectives on"].last_report)
             progress.step(f"{kind} round {r + 1}" + (" (warm-up)" if r < config["warmup"] else ""),
                           ", ".join(f"{name} {1e3 * took[name]:.0f} ms" for name in COPIES))
         everyone: list[Any] = [None] * world_size
         dist.all_gather_object(everyone, times)
+        cpus: list[Any] = [None] * world_size
+        dist.all_gather_object(cpus, cpu)
         if rank == 0:
             slowest = {name: [max(t[name][i] for t in everyone) for i in range(len(times[name]))] for name in COPIES}
             base, off, on = (slowest[name] for name in COPIES)
@@ -213,6 +222,10 @@ def _worker(rank: int, world_size: int, port: int, kind: str, config: dict[str, 
                 "step_ms": {name: 1e3 * statistics.median(slowest[name]) for name in COPIES},
                 "checks_cost": statistics.median([(b - a) / c for a, b, c in zip(off, on, base)]),
                 "checks_cost_total": (sum(on) - sum(off)) / sum(base),
+                # CPU time (every rank's, all threads): what the checks computed, without the
+                # waits a crowded machine adds to every synchronisation
+                "checks_cpu_cost": (sum(sum(c["collectives on"]) for c in cpus) - sum(sum(c["collectives off"]) for c in cpus))
+                / sum(sum(c["baseline"]) for c in cpus),
                 "guard_cost_off": sum(off) / sum(base) - 1.0,
                 "checks_ms": 1e3 * sum(rep.collective_seconds for rep in reports) / n,
                 "exchange_ms": 1e3 * sum(rep.collective_exchange_seconds for rep in reports) / n,
