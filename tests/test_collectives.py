@@ -6,9 +6,9 @@ Clean runs report no detection and check every collective of every step; each dr
 every rank) is caught at the step it fires, on the rank it hits, named by op, link and
 bucket or module, classified transient, and the run ends bit-identical to the clean one on
 every rank; a fault that stays is rolled back, or exits with code 19 (the link). The
-drill tests run 5 steps; the clean runs ``CLEAN_STEPS`` (40: about a minute at 2 ranks and
-two at 4 on two cores; ``SDC_GUARD_CLEAN_STEPS=200`` for the 200-step runs, which take
-about 2 and 4 minutes; ``sdc-guard bench collectives --steps 200`` runs them too).
+drill tests run 5 steps; the clean runs ``CLEAN_STEPS`` (20 in the suite: about 20 and 40
+seconds at 2 and 4 ranks on two cores; ``SDC_GUARD_CLEAN_STEPS=200`` for the 200-step
+runs, about 2 and 4 minutes).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ CHECKS_PER_STEP = {"ddp": {"all_reduce": 1}, "fsdp": {"all_gather": 3, "reduce_s
                    "tp": {"all_reduce": 2}}
 STEPS = 5
 FAULT_STEP = 2
-CLEAN_STEPS = int(os.environ.get("SDC_GUARD_CLEAN_STEPS", "40"))
+CLEAN_STEPS = int(os.environ.get("SDC_GUARD_CLEAN_STEPS", "20"))
 
 
 def _run(tmp_path: Path, world_size: int, jobs: list[tuple[str, str, str]], steps: int = STEPS):
