@@ -11,12 +11,15 @@ them. The copies take their steps in turn, round after round (the order rotated 
 round), every rank in lockstep, so that a slow spell of the machine falls on all of them;
 a step's time is the slowest rank's.
 
+Exit status 1 when a clean run reported a detection (a false positive).
+
 Reported per configuration: each copy's median step time; the checks' cost, ``(on - off) /
 baseline``, in wall time as the median of per-round ratios and over the totals, and in
 CPU time (every rank's process, all its threads, over the totals: what the checks compute,
 without the waits a crowded machine adds at every synchronisation); and from the guard's
-own reports the checks' time and the exchange's (its all-reduce alone, waits for the other
-ranks included) per step, and how many numbers it exchanged.
+own reports the checks' time and the exchange's (its all-reduce, waits for the other ranks
+included) per step, how many numbers it exchanged, and that all-reduce alone (the same
+size right after a barrier, median of 50): what the extra collective costs by itself.
 """
 
 from __future__ import annotations
@@ -98,10 +101,11 @@ def run(args: argparse.Namespace) -> Outcome:
     load_after = load_average()
     rows = [[r["kind"], r["dtype"], f"{r['params']:,}", *(f"{r['step_ms'][c]:.1f}" for c in COPIES),
              pct(r["checks_cost"]), pct(r["checks_cost_total"]), pct(r["checks_cpu_cost"]), f"{r['checks_ms']:.2f}",
-             f"{r['exchange_ms']:.2f}",
+             f"{r['exchange_ms']:.2f}", f"{r['exchange_alone_ms']:.2f}",
              f"{r['exchanged']:,}", r["checks_per_step"], r["detections"]] for r in results]
     print(table(["config", "dtype", "params", "baseline ms", "off ms", "on ms", "checks cost (median)",
-                 "checks cost (total)", "checks cost (CPU time)", "checks ms/step", "exchange ms/step", "fp64 exchanged/step",
+                 "checks cost (total)", "checks cost (CPU time)", "checks ms/step", "exchange ms/step",
+                 "exchange alone ms", "fp64 exchanged/step",
                  "collectives checked/step", "detections"], rows))
     warning = busy_warning(load_before, load_after, torch.device("cpu"))
     if warning:
@@ -109,7 +113,10 @@ def run(args: argparse.Namespace) -> Outcome:
     print("checks cost = (step with collectives on - step with collectives off) / unguarded step, in wall time "
           "(median of the rounds, and over the totals) and in CPU time (every rank's threads, totals); both guarded "
           "copies verify no GEMM, so the difference is the collective checks")
-    return Outcome(0, {"benchmark": "collectives", "machine": machine(torch.device("cpu")),
+    detected = sum(r["detections"] for r in results)
+    if detected:
+        print(f"FAIL: {detected} detection(s) in clean runs: a false positive of the collective checks")
+    return Outcome(1 if detected else 0, {"benchmark": "collectives", "machine": machine(torch.device("cpu")),
                        "torch": torch.__version__, "world_size": args.world_size, "config": config,
                        "load_average": [load_before, load_after], "results": results})
 
@@ -209,6 +216,7 @@ def _worker(rank: int, world_size: int, port: int, kind: str, config: dict[str, 
                 reports.append(guards["collectives on"].last_report)
             progress.step(f"{kind} round {r + 1}" + (" (warm-up)" if r < config["warmup"] else ""),
                           ", ".join(f"{name} {1e3 * took[name]:.0f} ms" for name in COPIES))
+        alone = _exchange_alone(_exchanged(guards["collectives on"]))
         everyone: list[Any] = [None] * world_size
         dist.all_gather_object(everyone, times)
         cpus: list[Any] = [None] * world_size
@@ -232,6 +240,7 @@ def _worker(rank: int, world_size: int, port: int, kind: str, config: dict[str, 
                 "exchange_share_of_step": sum(rep.collective_exchange_seconds for rep in reports) / sum(base),
                 "checks_share_of_step": sum(rep.collective_seconds for rep in reports) / sum(base),
                 "exchanged": _exchanged(guards["collectives on"]),
+                "exchange_alone_ms": 1e3 * alone,
                 "checks_per_step": statistics.mean(rep.collective_checks for rep in reports) if reports else 0,
                 "unchecked": sorted({k for rep in reports for k in rep.collectives_unchecked}),
                 "detections": sum(len(rep.detections) for rep in reports),
@@ -244,6 +253,21 @@ def _worker(rank: int, world_size: int, port: int, kind: str, config: dict[str, 
     sys.stdout.flush()
     sys.stderr.flush()
     leave(0)  # os._exit: gloo's threads can abort interpreter finalization (tests/ddp_worker.py)
+
+
+def _exchange_alone(numbers: int, reps: int = 50) -> float:
+    """The median time of an all-reduce of ``numbers`` fp64 values right after a barrier:
+    what the checks' extra collective costs by itself, without waiting for a late rank."""
+    import torch.distributed as dist
+
+    buffer = torch.zeros(max(numbers, 1), dtype=torch.float64)
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(buffer)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _exchanged(guard: Any) -> int:
