@@ -69,6 +69,7 @@ class Record:
     numel: int  #: elements of this rank's result
     dtype: torch.dtype
     wide: bool = True  #: all-gather: shards read as 32-bit words
+    waited: bool = False  #: its caller waits on the work (FSDP2): checked in the waiting thread
     sent: Tensor | None = None  #: fp64 [slots]: this rank's part of the exchange
     received: Tensor | None = None  #: this rank's checksums of its result
     failed: str | None = None
@@ -142,20 +143,22 @@ class CollectiveChecks:
         self._buckets = 0
         self._pending.clear()
 
-    def _label(self, call: Collective, phase: str) -> str:
-        """The bucket or module of a collective: an FSDP2 group's module, by its path (the
-        model's class name for the model itself), else a DDP bucket (an all-reduce its
-        reducer runs during the backward: ``"bucket k"``, in launch order), else the module
-        running (``SiteTracker.site``: ``"global"`` outside every module)."""
+    def _label(self, call: Collective, phase: str) -> tuple[str, bool]:
+        """The bucket or module of a collective, and whether FSDP2 issued it (it waits on
+        its works and never asks for their futures: ``run_then``'s ``waited``): an FSDP2
+        group's module, by its path (the model's class name for the model itself), else a
+        DDP bucket (an all-reduce its reducer runs during the backward: ``"bucket k"``, in
+        launch order), else the module running (``SiteTracker.site``: ``"global"`` outside
+        every module)."""
         module = fsdp_module()
-        path = self._names.of_module(module) if module is not None else None
-        if path is not None:
-            return path or type(self._names.model).__name__
+        if module is not None:
+            path = self._names.of_module(module)
+            return (type(self._names.model).__name__ if not path else path) if path is not None else "global", True
         if call.op == "all_reduce" and phase == "backward" and not call.functional:
             self._buckets += 1
-            return f"bucket {self._buckets - 1}"
+            return f"bucket {self._buckets - 1}", False
         assert call.send is not None
-        return self._sites.site(call.send, ())
+        return self._sites.site(call.send, ()), False
 
     def run(self, func: Any, args: tuple, kwargs: dict, *, phase: str, call_index: int) -> Any:
         """Run one collective op of the step, checked where it can be."""
@@ -181,7 +184,8 @@ class CollectiveChecks:
             return func(*args, **kwargs)
         self._records.append(record)
         try:
-            return run_then(func, args, kwargs, record.call, lambda result: self._landed(record, result), self._pending)
+            return run_then(func, args, kwargs, record.call, lambda result: self._landed(record, result), self._pending,
+                            waited=record.waited)
         except BaseException:  # the collective itself failed: nothing to check
             self._records.remove(record)
             raise
@@ -194,8 +198,9 @@ class CollectiveChecks:
         g, me, send = call.group_size, call.group_rank, call.send
         numel = {"all_reduce": send.numel(), "reduce_scatter": send.numel() // g}.get(call.op, send.numel() * g)
         slots = 2 * g if call.op == "all_gather" else 3 * segments(numel) * (g if call.op == "reduce_scatter" else 1)
-        record = Record(call, self._label(call, phase), phase, call_index, slots, numel, send.dtype,
-                        wide=pairs_bits(send.dtype, send.numel()))
+        label, waited = self._label(call, phase)
+        record = Record(call, label, phase, call_index, slots, numel, send.dtype,
+                        wide=pairs_bits(send.dtype, send.numel()), waited=waited)
         try:
             if call.op == "all_reduce":  # [sums (segments x 2), magnitudes (segments)]
                 sums, absolute = segment_sums(send, with_abs=True)

@@ -205,11 +205,19 @@ def _unbox_work(value: Any) -> Any:
 Done = Callable[[Tensor], None]
 
 
-def run_then(func: Any, args: tuple, kwargs: dict, call: Collective, done: Done, pending: "Pending") -> Any:
+def run_then(func: Any, args: tuple, kwargs: dict, call: Collective, done: Done, pending: "Pending",
+             *, waited: bool = False) -> Any:
     """Run the collective and call ``done(result)`` once its result has landed, before
     anyone who waits on it proceeds (``done`` must not raise; a failure of the collective
-    itself still reaches its waiters). A functional op's ``done`` is left in ``pending``
-    for its ``wait_tensor``."""
+    itself still reaches its waiters).
+
+    ``waited``: the caller is known to wait on the work (FSDP2, which never asks for its
+    future): ``done`` then runs in the waiting thread, after the wait, instead of on the
+    backend's thread through the future. Python code on the backend's thread contends
+    for the GIL with the training thread's (each contention can cost a switch interval,
+    milliseconds); a wait-driven work has no such callback, but its future completes only
+    once it is waited for (at the latest when the step closes, ``Pending.flush``), so it is
+    used only where nobody waits on the future."""
     out = func(*args, **kwargs)
     if call.functional:
         if isinstance(out, Tensor):
@@ -229,7 +237,7 @@ def run_then(func: Any, args: tuple, kwargs: dict, call: Collective, done: Done,
     once = _Once(lambda: done(recv))
     from torch._C._distributed_c10d import PythonCallbackWork, _create_work_from_future
     future = None
-    if not isinstance(work, PythonCallbackWork):  # ours (a drill below the guard): its future never completes
+    if not waited and not isinstance(work, PythonCallbackWork):  # ours (a drill below): its future waits for wait()
         try:
             future = work.get_future()
         except RuntimeError:  # gloo's reduce-scatter: no future, and its result lands in wait()
