@@ -127,8 +127,9 @@ class CollectiveInjector:
         if call is None or call.unchecked is not None:
             return func(*args, **kwargs)
         step = current_step(self.model)
-        if step != self._count_step:
+        if step != self._count_step:  # a new step: its counts start over, the last one's waits are done
             self._counts, self._count_step = {}, step
+            self._pending.clear()
         rank = _rank()
         actions: list[tuple[CollectiveFault, int, bool]] = []  #: (fault, call number, corrupt now)
         for fault in self.faults:

@@ -52,7 +52,7 @@ class Collective:
     recv: Tensor | None  #: where its result lands (flat; the same tensor for an in-place all-reduce)
     group: Any  #: the ``torch.distributed.ProcessGroup``
     scale: int = 1  #: the result is the sum over ``scale`` (an average: the group's size)
-    functional: bool = False  #: a ``_c10d_functional`` op: the result is ready at ``wait_tensor``
+    functional: bool = False  #: a ``_c10d_functional`` op (DTensor's): ``run_then`` waits for it at once
     unchecked: str | None = None  #: why it is not checked (a reduce op, a dtype, a layout), else None
 
     @property
@@ -243,15 +243,15 @@ def run_then(func: Any, args: tuple, kwargs: dict, call: Collective, done: Done,
         except RuntimeError:  # gloo's reduce-scatter: no future, and its result lands in wait()
             future = None
     if future is None:
-        waited: list[bool] = []
+        answers: list[bool] = []
 
         def wait(timeout: Any = None) -> bool:
-            if waited:  # gloo copies the result out at every wait: once is enough
-                return waited[0]
+            if answers:  # gloo copies the result out at every wait: once is enough
+                return answers[0]
             # PythonCallbackWork passes 0 for "no timeout"
             ok = work.wait(timeout) if timeout is not None and timeout.total_seconds() > 0 else work.wait()
             once()
-            waited.append(ok)
+            answers.append(ok)
             return ok
 
         pending.add_finisher(wait)
