@@ -84,18 +84,23 @@ def segment_sums(x: Tensor, *, with_abs: bool, rows: int = 1) -> tuple[Tensor, T
     full = n // SEGMENT
     acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
     parts_sum, parts_abs = [], []
+    # few operations rather than few passes: this runs on the backend's thread too, where
+    # each operation gives the GIL back to the training thread and waits to take it again
     if full:
         main = flat[:, : full * SEGMENT]
-        halves = [main[:, start::2].unflatten(1, (full, SEGMENT // PARTIAL, PARTIAL // 2))
-                  .sum(3, dtype=acc).sum(2, dtype=torch.float64) for start in (0, 1)]
-        parts_sum.append(torch.stack(halves, 2))
+        pairs = main.unflatten(1, (full, SEGMENT // PARTIAL, PARTIAL // 2, 2))  # [..., element pair, even/odd]
+        parts_sum.append(pairs.sum(3, dtype=acc).sum(2, dtype=torch.float64))
         if with_abs:
             parts_abs.append(main.abs().unflatten(1, (full, SEGMENT // PARTIAL, PARTIAL))
                              .sum(3, dtype=acc).sum(2, dtype=torch.float64))
     if n % SEGMENT or not n:
         tail = flat[:, full * SEGMENT:]
-        parts_sum.append(torch.stack([tail[:, 0::2].sum(1, dtype=torch.float64),
-                                      tail[:, 1::2].sum(1, dtype=torch.float64)], 1).unsqueeze(1))
+        if tail.shape[1] % 2 == 0:
+            tail_sums = tail.unflatten(1, (tail.shape[1] // 2, 2)).sum(1, dtype=torch.float64)
+        else:
+            tail_sums = torch.stack([tail[:, 0::2].sum(1, dtype=torch.float64),
+                                     tail[:, 1::2].sum(1, dtype=torch.float64)], 1)
+        parts_sum.append(tail_sums.unsqueeze(1))
         if with_abs:
             parts_abs.append(tail.abs().sum(1, dtype=torch.float64, keepdim=True))
     sums = parts_sum[0] if len(parts_sum) == 1 else torch.cat(parts_sum, 1)
