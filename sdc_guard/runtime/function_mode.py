@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch._ops import HigherOrderOperator
 from torch.overrides import TorchFunctionMode
 
 from .function_attention import route_sdpa
@@ -197,16 +197,25 @@ UNVERIFIED_FUNCTIONS: dict[Callable, str] = {
 
 
 class GemmFunctionMode(TorchFunctionMode):
-    """Routes GEMM-level torch functions through their checked routes (``ROUTES``; see the
-    module doc).
+    """The guard's function mode (see the module doc). Entered by the guard for its
+    ``protect()`` block on its own thread (mode stacks are thread-local) and left when the
+    block exits or a step is not watched.
 
-    Entered by the guard for its ``protect()`` block on its own thread (mode stacks are
-    thread-local) and left when the block exits or a step is not watched. Every other
-    function passes through unchanged: once at trace time in a compiled frame, on every
-    call in an eager one.
+    Dynamo guards on the function-mode stack, so a frame compiled while this mode is on
+    gets a cache entry of its own, compiled with the graph checks, and the entry it had
+    (or gets) outside the block has none. Where dynamo traces, the mode passes every
+    function through: the graphs are the user's own, and the checks are put into them
+    after partitioning (``runtime/graph_pass.py``). In eager code it is what ``compiled``
+    says: on the compiled route (``True``) it sends GEMM functions through the eager taps
+    (``ROUTES``); on the dispatch route (``False``) it only marks the block, and the
+    dispatch mode verifies eager code.
     """
 
     ops = 0  #: never counted: a count kept in traced code would be a side effect per call
+
+    def __init__(self, compiled: bool = True) -> None:
+        super().__init__()
+        self.compiled = compiled
 
     def __enter__(self) -> "GemmFunctionMode":
         warn_if_inductor_drops_checks()
@@ -214,26 +223,15 @@ class GemmFunctionMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling() or not self.compiled:  # in this order: dynamo reads no attribute
+            return func(*args, **kwargs)
         route = ROUTES.get(func)
         if route is not None:
             return route(func, args, kwargs)
         name = UNVERIFIED_FUNCTIONS.get(func)
-        if name is None and isinstance(func, HigherOrderOperator) and not _run_by_a_graph(args):
-            # torch.cond, while_loop, flex attention, ...: dynamo traces their bodies as
-            # subgraphs without this mode, so their GEMMs cannot be tapped here; counted
-            # under the eager route's name for an opaque HOP (``_name``: dynamo cannot
-            # trace ``name()``)
-            name = f"higher_order.{func._name}"
         if name is not None:
             unverified(name)
         return func(*args, **kwargs)
-
-
-def _run_by_a_graph(args: tuple) -> bool:
-    """Whether a higher-order op reaches the mode from a graph dynamo compiled (an
-    ``aot_eager`` graph calls it at run time, its bodies traced into ``GraphModule``
-    arguments): that graph already counts it, with the op put there when it was traced."""
-    return not torch.compiler.is_compiling() and any(isinstance(a, torch.fx.GraphModule) for a in args)
 
 
 def _eager_when_called_eagerly(code: Any) -> bool:
@@ -278,7 +276,20 @@ def function_mode_active() -> bool:
 
 def is_compiled(model: torch.nn.Module) -> bool:
     """Whether ``model`` or one of its modules is compiled (``torch.compile(model)``,
-    ``model.compile()``): then ``protect()`` takes the compiled route."""
+    ``model.compile()``), or ran compiled code under an earlier guard (``note_compiled``):
+    then ``protect()`` takes the compiled route from the start."""
+    if model in _ran_compiled:
+        return True
     from torch._dynamo.eval_frame import OptimizedModule
     return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
                for m in model.modules())
+
+
+#: models whose guarded steps ran compiled code (``torch.compile(model)`` called under
+#: ``protect(model)``, a compiled training step): their next guards start compiled
+_ran_compiled: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def note_compiled(model: torch.nn.Module) -> None:
+    """Remember that ``model``'s guarded steps run compiled code (``is_compiled``)."""
+    _ran_compiled.add(model)

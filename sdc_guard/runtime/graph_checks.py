@@ -194,15 +194,21 @@ def _frame_root(root_tx: Any, path: str) -> Any:
     return scope.get(match.group(2))
 
 
-def resolve_site(site: str, anchor: Tensor | None) -> str:
+def resolve_site(site: str, anchor: Tensor | list[Tensor] | None) -> str:
     """The run-time site of a check traced at ``site``: where the GEMM has a parameter
-    operand (``anchor``), the module that owns it (``module_names.run_time_site``), so that
-    a graph dynamo shares between instances of a module names the instance that ran it; in
-    an eager frame (``site`` empty), that module if it is the only one owning it."""
+    operand (``anchor``; of a list, the first that is a parameter of the model), the module
+    that owns it (``module_names.run_time_site``), so that a graph dynamo shares between
+    instances of a module names the instance that ran it; where ``site`` is empty (an
+    eager frame, a graph node without a module), that module if it is the only one
+    owning it."""
     sink = _local.sink
     if anchor is None or sink is None:
         return site
-    owners = sink.module_names.owners(anchor)
+    owners: tuple[str, ...] = ()
+    for candidate in anchor if isinstance(anchor, list) else (anchor,):
+        owners = sink.module_names.owners(candidate)
+        if owners:
+            break
     if not site:
         return owners[0] if len(owners) == 1 else site
     return run_time_site(site, owners)

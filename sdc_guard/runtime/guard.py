@@ -30,9 +30,10 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 
 from .calibration import DEFAULT_EVERY, Replays
 from .cache import WeightCache, persistent_parameters
-from .function_mode import GemmFunctionMode, is_compiled, set_sink
+from . import graph_install
+from .function_mode import GemmFunctionMode, is_compiled, note_compiled, set_sink
 from .intake import CheckIntake, active_guards
-from .intercept import GemmInterceptor, SiteTracker, module_hook_seconds, round_trip_seconds
+from .intercept import GemmInterceptor, SiteTracker, autograd_sequence_number, module_hook_seconds, round_trip_seconds
 from ..core.precision import check_screen
 from .ledger import StepLedger
 from .module_names import ModuleNames
@@ -79,9 +80,12 @@ class Guard(CheckIntake):
                               cache_bytes=cache_bytes, rank=rank, policy=policy, snapshots=snapshots,
                               metrics=metrics, stats=stats, compiled=compiled, calibrate_every=calibrate_every)
         self.screen = check_screen(screen)
-        #: the compiled route (docs/COMPILE.md): a function mode dynamo traces, checks inside
-        #: the graphs; else the dispatch mode, which makes dynamo run every frame eagerly
+        #: the compiled route (docs/COMPILE.md): checks put into the compiled graphs, the
+        #: eager frames through the function mode's taps; else the dispatch mode. ``None``
+        #: (the default) starts on the dispatch route for a model that is not compiled and
+        #: switches when dynamo compiles a frame inside the block (``compiled_code_met``)
         self.compiled = compiled if compiled is not None else is_compiled(model)
+        self._compiled_arg = compiled
         #: per-site screen D/T statistics (``protect(stats=True)``), else ``None``
         self.screen_stats: ScreenStats | None = ScreenStats() if stats else None
         self.model = model
@@ -100,11 +104,17 @@ class Guard(CheckIntake):
         self._sites = SiteTracker(model)
         #: module paths by module and parameter, for the compiled route's sites
         self.module_names = ModuleNames(model)
-        self._mode: GemmInterceptor | GemmFunctionMode | None = None
+        self._mode: GemmInterceptor | None = None  #: the dispatch mode, while entered
         #: this activation's dispatch mode, entered again after a pause (a GEMM-free
         #: optimizer step, a calibration replay) so that its per-op caches stay warm
         self._interceptor: GemmInterceptor | None = None
+        #: the function mode, while entered: the compiled route's, or the dispatch route's
+        #: marker (dynamo then compiles frames inside the block apart from those outside)
+        self._function_mode: GemmFunctionMode | None = None
         self._previous_sink: Any = None  #: the compiled route's sink before ours (nested guards)
+        self._sink_set = False  #: this guard is the compiled route's sink now
+        self._pass_installed = False  #: the graph pass is installed for this activation
+        self._retiring = False  #: the dispatch mode was retired in the open step (``compiled_code_met``)
         self._active = False  #: interception asked for (activate/deactivate)
         self._watching = True  #: the open step's GEMMs are to be seen (the sampler's call)
         self._watched_last = False  #: the previous step was watched (its writes were observed)
@@ -226,6 +236,7 @@ class Guard(CheckIntake):
             raise RuntimeError("end_step(): no step is open (use it inside the protect() block)")
         self._sites.stop()
         self._step_open = False
+        self._retiring = False  # the next step's modes are the compiled route's alone
         if self._mode is not None:  # the step's ops so far; the mode goes on for the next step
             self._ledger.ops += self._mode.ops
             self._mode.ops = 0
@@ -390,35 +401,86 @@ class Guard(CheckIntake):
 
     @property
     def intercepting(self) -> bool:
-        """Whether the dispatch mode is on now (active, and the step is watched)."""
-        return self._mode is not None
+        """Whether interception is on now (active, and the step is watched)."""
+        return self._mode is not None or (self._function_mode is not None and self._function_mode.compiled)
 
     def _sync_mode(self) -> None:
-        """Enter the dispatch mode when active and watching, leave it otherwise.
+        """Enter the modes when active and watching, leave them otherwise: the dispatch mode
+        on the dispatch route; the function mode on the compiled route and, as a marker,
+        on the dispatch route unless ``compiled=False`` (docs/COMPILE.md).
 
         Mode stacks are last-in first-out: if another mode was entered above ours (a
         profiler inside ``protect()``), an unwatched step keeps ours in place rather than
         pop the wrong one, and ``on_gemm`` ignores what it sees.
         """
         wanted = self._active and self._watching and not self._paused and not self.replays.bare
-        if wanted and self._mode is None:
-            if self.compiled:
-                self._mode = GemmFunctionMode()
-                self._previous_sink = set_sink(self)
-            else:
-                if self._interceptor is None:
-                    self._interceptor = GemmInterceptor(self, self._sites)
-                self._mode = self._interceptor
+        # a dispatch mode retired by a switch to the compiled route stays until the step closes
+        want_dispatch = wanted and (not self.compiled or self._retiring)
+        want_function = wanted and (self.compiled or self._compiled_arg is None)
+        if want_dispatch and self._mode is None:
+            if self._interceptor is None:
+                self._interceptor = GemmInterceptor(self, self._sites)
+            self._mode = self._interceptor
             self._mode.__enter__()
-        elif not wanted and self._mode is not None and (
-                not self._active or self._mode in (_get_current_dispatch_mode(), _get_current_function_mode())):
+        elif not want_dispatch and self._mode is not None and (
+                not self._active or self._mode is _get_current_dispatch_mode()):
             self._mode.__exit__(None, None, None)
-            if self.compiled:
-                set_sink(self._previous_sink)
-                self._previous_sink = None
             self._ledger.ops += self._mode.ops
             self._mode.ops = 0
+            self._mode.retire(None)
             self._mode = None
+        if want_function and self._function_mode is None:
+            self._function_mode = GemmFunctionMode(compiled=self.compiled)
+            self._function_mode.__enter__()
+        elif not want_function and self._function_mode is not None and (
+                not self._active or self._function_mode is _get_current_function_mode()):
+            self._function_mode.__exit__(None, None, None)
+            self._function_mode = None
+        self._sync_sink(want_function and self.compiled)
+
+    def _sync_sink(self, wanted: bool) -> None:
+        """Be this thread's sink of in-graph checks while the compiled route's function mode
+        is on; install the graph pass for the whole activation on that route."""
+        if wanted and not self._sink_set:
+            self._previous_sink = set_sink(self)
+            self._sink_set = True
+        elif not wanted and self._sink_set:
+            set_sink(self._previous_sink)
+            self._previous_sink = None
+            self._sink_set = False
+        if self._active and self.compiled and not self._pass_installed:
+            graph_install.install()
+            self._pass_installed = True
+        elif not self._active and self._pass_installed:
+            graph_install.uninstall()
+            self._pass_installed = False
+
+    def compiled_code_met(self) -> bool:
+        """Called by the dispatch mode when dynamo is about to compile a frame inside the
+        block (a ``torch.compile(model)`` wrapper, a compiled submodule or training step the
+        guard could not see from the model): switch to the compiled route for the rest of
+        the block, so that the frame compiles, with the checks in its graphs, and leaves
+        nothing behind. Returns whether the frame may compile: not under
+        ``protect(compiled=False)``, where it runs eagerly, verified by the dispatch mode.
+
+        The dispatch mode stays on until the step closes, verifying only the backward of
+        the GEMMs it verified before (autograd nodes older than now); the eager frames
+        are the function mode's from here on. The model is remembered, so its next
+        guards start compiled."""
+        if self._compiled_arg is False or self.compiled or not self._active:
+            return self.compiled
+        started = time.perf_counter()
+        self.compiled = True
+        note_compiled(self.model)
+        self._sites.stop()  # dynamo guards on module hooks: none in a compiled frame's entry
+        if self._mode is not None:
+            self._mode.retire(autograd_sequence_number())
+            self._retiring = True
+        if self._function_mode is not None:
+            self._function_mode.compiled = True
+        self._sync_mode()
+        self._ledger.hook_seconds += time.perf_counter() - started
+        return True
 
     def _sync_optimizer_hooks(self) -> None:
         """Optimizer-step hooks only while active and watching: an unwatched step needs

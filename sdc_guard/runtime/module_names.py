@@ -35,11 +35,16 @@ class ModuleNames:
     def of_module(self, module: object) -> str | None:
         """The path of ``module`` in the model (``""`` for the model itself), or ``None``.
         Reads no tensor: it is asked at trace time, under dynamo's fake tensors."""
+        return self.of_module_id(id(module))
+
+    def of_module_id(self, ident: int) -> str | None:
+        """The path of the module whose ``id`` is ``ident`` (how dynamo keys a graph node's
+        ``nn_module_stack``), or ``None`` for a module outside the model."""
         if self._modules is None:
             self._modules = {}
             for name, m in self.model.named_modules(remove_duplicate=False):
                 self._modules.setdefault(id(m), _clean(name))
-        return self._modules.get(id(module))
+        return self._modules.get(ident)
 
     def owners(self, t: Tensor) -> tuple[str, ...]:
         """The paths of the modules whose parameter ``t`` is (or views): more than one for
