@@ -4,7 +4,7 @@ decomposed composites, fused attention), whatever the user compiled, and leaving
 leaves nothing behind (docs/COMPILE.md).
 
 The count to meet comes from outside the guard: an unguarded compiled step run under a
-counting dispatch mode that dynamo compiles through (``GemmCount``) sees every aten GEMM
+counting dispatch mode that dynamo compiles through (``gemm_count.GemmCount``) sees every aten GEMM
 and attention call the compiled code makes, as ``aot_eager`` runs every op of its graphs
 and inductor on CPU calls its GEMMs as extern kernels.
 """
@@ -21,58 +21,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
-from torch._ops import OpOverload
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import sdc_guard
 from sdc_guard.runtime import graph_checks, graph_install
 from sdc_guard.runtime.inject import GemmFault, drill
-from sdc_guard.runtime.ops import Route, route_of
 from sdc_guard.runtime.sampling import Stateless
 
 sys.path.insert(0, str(Path(__file__).parent))
+from gemm_count import compiled_gemms, fresh  # noqa: E402
 from models import MLP, TinyGPT, lm_batch  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
-class GemmCount(TorchDispatchMode):
-    """Counts the aten ops the op registry routes as a GEMM or fused attention, as the
-    compiled code calls them (dynamo compiles through this mode, and it sees what the
-    compiled artifact runs)."""
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if isinstance(func, OpOverload) and route_of(func) in (Route.GEMM, Route.ATTENTION):
-            self.calls[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def fresh() -> None:
-    torch._dynamo.reset()
-    counters.clear()
-
-
 def graphs() -> int:
     return counters["stats"]["unique_graphs"]
-
-
-def compiled_gemms(make: Callable[[], torch.nn.Module], step: Callable[[Any], None], backend: str) -> int:
-    """GEMM and attention calls of one compiled, unguarded step of ``make()``."""
-    fresh()
-    compiled = torch.compile(make(), backend=backend)
-    step(compiled)  # compiled here, outside the count
-    with GemmCount() as count:
-        step(compiled)
-    fresh()
-    return sum(count.calls.values())
 
 
 def gpt_step(model: Any, step: int = 0) -> torch.Tensor:
@@ -157,22 +120,6 @@ def test_every_gemm_the_compiled_code_runs_is_verified(case):
     # sites from the graphs' own metadata: every module the eager route names, a backward
     # GEMM at its forward module (not "global")
     assert _eager_sites(make, step) <= {(site, phase) for site, phase, _ in guard._ledger.sites_seen}
-
-
-@pytest.mark.slow  # inductor compiles C++ (about a minute): see CONTRIBUTING.md
-def test_every_gemm_of_an_inductor_compiled_checkpointed_model_is_verified():
-    make, step = CASES["block-ac"]
-    expected = compiled_gemms(make, step, "inductor")
-    eager = make()
-    with sdc_guard.protect(eager, compiled=False) as eager_guard:
-        step(eager)
-    guard, _ = _run_guarded(make, step, "inductor")
-    report = guard.last_report
-    # the backward recomputes what it needs of each block: more GEMMs than without AC
-    assert expected > eager_guard.last_report.seen - 12
-    assert (report.seen, report.verified, report.flagged, report.unverified_ops) == (expected, expected, 0, {})
-    recomputed = {site for site, phase, op in guard._ledger.sites_seen if phase == "backward" and op == "addmm"}
-    assert {"blocks.0.fc1", "blocks.1.fc1", "blocks.0.attn.qkv"} <= recomputed  # forward GEMMs run again
 
 
 class Branches(torch.nn.Module):
