@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from .attention import ATTENTION_HANDLERS, AttentionCall, BACKWARD_OP
-from .graph_checks import count_check, current_sink, keep_in_graph, resolve_site, run_drills
+from .graph_checks import check_op, count_check, current_sink, resolve_site, run_drills
 from .intercept import current_phase
 from .ops import GEMM_HANDLERS, Gemm, Route, route_of
 
@@ -101,7 +101,15 @@ def overload_name(op: Any) -> str:
     return f"{op.namespace}.{op._schema.name.split('::')[-1]}.{op._overloadname}"
 
 
-@torch.library.custom_op("sdc_guard::check_node", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+@functools.lru_cache(maxsize=None)
+def _plan(op: str) -> tuple[Any, Route]:
+    """The overload named ``op`` and its route (looked up once per op)."""
+    func = overload(op)
+    return func, route_of(func)
+
+
+@check_op("check_node(str op, Tensor?[] tensors, str spec, Tensor?[] outputs, Tensor[] anchors, str site, "
+          "str fallback) -> ()")
 def check_node(op: str, tensors: list[Optional[Tensor]], spec: str, outputs: list[Optional[Tensor]],
                anchors: list[Tensor], site: str, fallback: str) -> None:
     """Verify the aten call ``op`` made with the arguments ``spec`` and ``tensors`` describe
@@ -115,12 +123,11 @@ def check_node(op: str, tensors: list[Optional[Tensor]], spec: str, outputs: lis
         sink = current_sink()
         if sink is None:  # a graph compiled inside protect() and run outside it: nothing to do
             return
-        func = overload(op)
+        func, route = _plan(op)
         args, kwargs = decode_call(spec, tensors)
         out: Any = outputs[0] if len(outputs) == 1 else tuple(outputs)
         site = resolve_site(site, anchors) or fallback
         phase = current_phase()
-        route = route_of(func)
         if route is Route.GEMM:
             gemm = GEMM_HANDLERS[func.overloadpacket](args, kwargs, out)
             if not isinstance(gemm, Gemm):
@@ -140,12 +147,3 @@ def check_node(op: str, tensors: list[Optional[Tensor]], spec: str, outputs: lis
                 run_drills(call.op, call.out, site, phase)
             sink.on_attention(call, site or None, phase)
         count_check()
-
-
-@check_node.register_fake
-def _check_node_fake(op: str, tensors: list[Optional[Tensor]], spec: str, outputs: list[Optional[Tensor]],
-                     anchors: list[Tensor], site: str, fallback: str) -> None:
-    return None
-
-
-keep_in_graph(torch.ops.sdc_guard.check_node)
