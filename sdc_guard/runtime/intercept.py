@@ -314,7 +314,7 @@ class GemmInterceptor(RoutingMode):
         super().__init__(sites)
         self.sink = sink
         #: set by ``retire``: only the backward of GEMMs whose autograd node is older than this
-        #: (autograd's sequence number) is still this mode's (docs/COMPILE.md, "Route")
+        #: (autograd's sequence number) is still this mode's (docs/COMPILE.md, "The two routes")
         self._cutoff: int | None = None
         # Built per activation, so a handler added to GEMM_HANDLERS since is seen.
         self._handlers = {id(overload): handler for packet, handler in GEMM_HANDLERS.items()
