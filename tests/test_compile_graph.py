@@ -333,3 +333,41 @@ def test_a_sampler_that_changes_its_mind_recompiles_nothing_and_weights_stay_cac
     # the sampler's two halves) and refreshed right after every optimizer step: from then on
     # the steps' GEMMs find every one cached
     assert misses[0] > 0 and misses[1] > 0 and misses[2:] == [0, 0] and guard.cache.stats.hits > 0
+
+
+@pytest.mark.slow  # a transformers model through torch.compile: see CONTRIBUTING.md
+def test_hugging_face_gradient_checkpointing_under_model_compile_is_verified():
+    """A Llama with ``gradient_checkpointing_enable()`` and ``model.compile()``: every GEMM
+    its compiled graphs run is verified (before: 3 of them, the rest counted once as
+    ``higher_order.tag_activation_checkpoint``)."""
+    pytest.importorskip("transformers")
+    import warnings
+
+    from sdc_guard.tools.bench_models import build
+
+    work = build("hf:llama")
+
+    def make() -> torch.nn.Module:
+        model = build("hf:llama").model
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # transformers renames the method
+            model.gradient_checkpointing_enable()
+        return model.train()
+
+    def step(model: Any) -> None:
+        work.loss_of(model, 0).backward()
+
+    expected = compiled_gemms(make, step, "aot_eager")
+    model = make()
+    model.compile(backend="aot_eager")
+    with sdc_guard.protect(model) as guard:
+        step(model)
+    report = guard.last_report
+    assert (report.seen, report.verified, report.flagged, report.unverified_ops) == (expected, expected, 0, {})
+    eager = make()
+    with sdc_guard.protect(eager) as eager_guard:
+        step(eager)
+    # the eager route's checkpointing recomputes until it has what the backward needs; the
+    # partitioner's choice differs by a GEMM or so, and every module is a site of both
+    assert abs(eager_guard.last_report.verified - expected) <= 2
+    assert {s[:2] for s in eager_guard._ledger.sites_seen} <= {s[:2] for s in guard._ledger.sites_seen}

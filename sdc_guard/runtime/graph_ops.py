@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -71,6 +72,16 @@ def _template(spec: str) -> tuple[Any, Any]:
     return ast.literal_eval(spec)
 
 
+@functools.lru_cache(maxsize=4096)
+def _positions(spec: str) -> tuple[int, ...] | None:
+    """For a spec whose arguments are tensors only, in order, and no keyword (a GEMM's
+    usual case): their indices, so that the call is rebuilt without walking the template."""
+    args, kwargs = _template(spec)
+    if kwargs or not all(isinstance(a, tuple) and len(a) == 2 and a[0] == TENSOR for a in args):
+        return None
+    return tuple(a[1] for a in args)
+
+
 def _fill(template: Any, tensors: list[Optional[Tensor]]) -> Any:
     if isinstance(template, tuple):
         if len(template) == 2 and template[0] == TENSOR and isinstance(template[1], int):
@@ -85,6 +96,9 @@ def _fill(template: Any, tensors: list[Optional[Tensor]]) -> Any:
 
 def decode_call(spec: str, tensors: list[Optional[Tensor]]) -> tuple[tuple, dict]:
     """The ``(args, kwargs)`` that ``spec`` and ``tensors`` describe (``encode_call``'s inverse)."""
+    positions = _positions(spec)
+    if positions is not None:
+        return tuple(tensors[i] for i in positions), {}
     args, kwargs = _template(spec)
     return _fill(args, tensors), _fill(kwargs, tensors)
 
@@ -116,13 +130,15 @@ def check_node(op: str, tensors: list[Optional[Tensor]], spec: str, outputs: lis
     and that returned ``outputs`` (one tensor, or the elements of a tuple; ``None`` for
     one the graph does not keep), with this thread's guard. ``site``: the module the graph
     names for it (``""``: none; the module owning the first of ``anchors`` that is a
-    parameter, the one it multiplies by, names it at run time, else ``fallback``). The phase is the run's: ``backward``
-    inside autograd's backward (recomputations included), else ``forward``. Reads its
-    tensors, writes none of them."""
+    parameter, the one it multiplies by, names it at run time, else ``fallback``). The
+    phase is the run's: ``backward`` inside autograd's backward (recomputations included),
+    else ``forward``. Reads its tensors, writes none of them; its own time is charged to
+    the guard (``Guard.charge``), as the time of the verification it runs is."""
+    sink = current_sink()
+    if sink is None:  # a graph compiled inside protect() and run outside it: nothing to do
+        return
+    started = time.perf_counter()
     with torch._C.DisableTorchFunction():  # verification's own ops are not the model's
-        sink = current_sink()
-        if sink is None:  # a graph compiled inside protect() and run outside it: nothing to do
-            return
         func, route = _plan(op)
         args, kwargs = decode_call(spec, tensors)
         out: Any = outputs[0] if len(outputs) == 1 else tuple(outputs)
@@ -134,6 +150,7 @@ def check_node(op: str, tensors: list[Optional[Tensor]], spec: str, outputs: lis
                 sink.on_unverified(str(func.overloadpacket))
                 return
             run_drills(gemm.op, gemm.out, site, phase)
+            sink.charge(time.perf_counter() - started)  # what on_gemm does not time itself
             sink.on_gemm(gemm, site or None, phase)
         elif route is Route.ATTENTION:
             handler = ATTENTION_HANDLERS.get(func.overloadpacket)
@@ -145,5 +162,6 @@ def check_node(op: str, tensors: list[Optional[Tensor]], spec: str, outputs: lis
                 run_drills(call.op, call.grads, site, phase)
             elif call.out is not None:
                 run_drills(call.op, call.out, site, phase)
+            sink.charge(time.perf_counter() - started)
             sink.on_attention(call, site or None, phase)
         count_check()
