@@ -25,15 +25,14 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import _get_current_function_mode
-from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .calibration import DEFAULT_EVERY, Replays
 from .cache import WeightCache, persistent_parameters
-from . import graph_install
-from .function_mode import GemmFunctionMode, is_compiled, note_compiled, set_sink
+from .function_mode import is_compiled, note_compiled
 from .intake import CheckIntake, active_guards
-from .intercept import GemmInterceptor, SiteTracker, autograd_sequence_number, module_hook_seconds, round_trip_seconds
+from .interception import Interception
+from .intercept import GemmInterceptor, SiteTracker, module_hook_seconds, round_trip_seconds
 from ..core.precision import check_screen
 from .ledger import StepLedger
 from .module_names import ModuleNames
@@ -104,17 +103,7 @@ class Guard(CheckIntake):
         self._sites = SiteTracker(model)
         #: module paths by module and parameter, for the compiled route's sites
         self.module_names = ModuleNames(model)
-        self._mode: GemmInterceptor | None = None  #: the dispatch mode, while entered
-        #: this activation's dispatch mode, entered again after a pause (a GEMM-free
-        #: optimizer step, a calibration replay) so that its per-op caches stay warm
-        self._interceptor: GemmInterceptor | None = None
-        #: the function mode, while entered: the compiled route's, or the dispatch route's
-        #: marker (dynamo then compiles frames inside the block apart from those outside)
-        self._function_mode: GemmFunctionMode | None = None
-        self._previous_sink: Any = None  #: the compiled route's sink before ours (nested guards)
-        self._sink_set = False  #: this guard is the compiled route's sink now
-        self._pass_installed = False  #: the graph pass is installed for this activation
-        self._retiring = False  #: the dispatch mode was retired in the open step (``compiled_code_met``)
+        self._interception = Interception(self)  #: the modes on this guard's thread
         self._active = False  #: interception asked for (activate/deactivate)
         self._watching = True  #: the open step's GEMMs are to be seen (the sampler's call)
         self._watched_last = False  #: the previous step was watched (its writes were observed)
@@ -236,10 +225,8 @@ class Guard(CheckIntake):
             raise RuntimeError("end_step(): no step is open (use it inside the protect() block)")
         self._sites.stop()
         self._step_open = False
-        self._retiring = False  # the next step's modes are the compiled route's alone
-        if self._mode is not None:  # the step's ops so far; the mode goes on for the next step
-            self._ledger.ops += self._mode.ops
-            self._mode.ops = 0
+        self._interception.retiring = False  # the next step's modes are the compiled route's alone
+        self._ledger.ops += self._interception.take_ops()  # the mode goes on for the next step
         self._ledger.module_calls += self._sites.calls
         self._sites.calls = 0
         round_trip = round_trip_seconds() if self._ledger.ops else 0.0
@@ -396,64 +383,39 @@ class Guard(CheckIntake):
         started = time.perf_counter()
         self._optimizers.remove()
         self._sync_mode()
-        self._interceptor = None  # the next activation builds its own (handlers added since included)
+        self._interception.interceptor = None  # the next activation builds its own (handlers added since)
         self.charge(time.perf_counter() - started)
 
     @property
     def intercepting(self) -> bool:
         """Whether interception is on now (active, and the step is watched)."""
-        return self._mode is not None or (self._function_mode is not None and self._function_mode.compiled)
+        return self._interception.on
+
+    @property
+    def _mode(self) -> GemmInterceptor | None:
+        """The dispatch mode while it is entered (calibration replays ask)."""
+        return self._interception.mode
+
+    @property
+    def active(self) -> bool:
+        """Whether this guard is active (between ``activate`` and ``deactivate``)."""
+        return self._active
+
+    @property
+    def compiled_argument(self) -> bool | None:
+        """``protect``'s ``compiled`` argument (``None``: the guard picks, and may switch)."""
+        return self._compiled_arg
+
+    @property
+    def site_tracker(self) -> SiteTracker:
+        """The dispatch route's site tracker (its module hooks, the autograd nodes' labels)."""
+        return self._sites
 
     def _sync_mode(self) -> None:
-        """Enter the modes when active and watching, leave them otherwise: the dispatch mode
-        on the dispatch route; the function mode on the compiled route and, as a marker,
-        on the dispatch route unless ``compiled=False`` (docs/COMPILE.md).
-
-        Mode stacks are last-in first-out: if another mode was entered above ours (a
-        profiler inside ``protect()``), an unwatched step keeps ours in place rather than
-        pop the wrong one, and ``on_gemm`` ignores what it sees.
-        """
+        """Enter the modes when active and watching, leave them otherwise
+        (``runtime/interception.py``)."""
         wanted = self._active and self._watching and not self._paused and not self.replays.bare
-        # a dispatch mode retired by a switch to the compiled route stays until the step closes
-        want_dispatch = wanted and (not self.compiled or self._retiring)
-        want_function = wanted and (self.compiled or self._compiled_arg is None)
-        if want_dispatch and self._mode is None:
-            if self._interceptor is None:
-                self._interceptor = GemmInterceptor(self, self._sites)
-            self._mode = self._interceptor
-            self._mode.__enter__()
-        elif not want_dispatch and self._mode is not None and (
-                not self._active or self._mode is _get_current_dispatch_mode()):
-            self._mode.__exit__(None, None, None)
-            self._ledger.ops += self._mode.ops
-            self._mode.ops = 0
-            self._mode.retire(None)
-            self._mode = None
-        if want_function and self._function_mode is None:
-            self._function_mode = GemmFunctionMode(compiled=self.compiled)
-            self._function_mode.__enter__()
-        elif not want_function and self._function_mode is not None and (
-                not self._active or self._function_mode is _get_current_function_mode()):
-            self._function_mode.__exit__(None, None, None)
-            self._function_mode = None
-        self._sync_sink(want_function and self.compiled)
-
-    def _sync_sink(self, wanted: bool) -> None:
-        """Be this thread's sink of in-graph checks while the compiled route's function mode
-        is on; install the graph pass for the whole activation on that route."""
-        if wanted and not self._sink_set:
-            self._previous_sink = set_sink(self)
-            self._sink_set = True
-        elif not wanted and self._sink_set:
-            set_sink(self._previous_sink)
-            self._previous_sink = None
-            self._sink_set = False
-        if self._active and self.compiled and not self._pass_installed:
-            graph_install.install()
-            self._pass_installed = True
-        elif not self._active and self._pass_installed:
-            graph_install.uninstall()
-            self._pass_installed = False
+        self._ledger.ops += self._interception.sync(wanted)
 
     def compiled_code_met(self) -> bool:
         """Called by the dispatch mode when dynamo is about to compile a frame inside the
@@ -472,12 +434,7 @@ class Guard(CheckIntake):
         started = time.perf_counter()
         self.compiled = True
         note_compiled(self.model)
-        self._sites.stop()  # dynamo guards on module hooks: none in a compiled frame's entry
-        if self._mode is not None:
-            self._mode.retire(autograd_sequence_number())
-            self._retiring = True
-        if self._function_mode is not None:
-            self._function_mode.compiled = True
+        self._interception.to_compiled()
         self._sync_mode()
         self._ledger.hook_seconds += time.perf_counter() - started
         return True
