@@ -522,10 +522,12 @@ def protect(
     far the threshold sits from this model's data); ``screen`` chooses the screen's
     threshold, ``"default"`` or ``"tight"`` (``sdc_guard.core.precision.SCREENS``: the tight one
     sees smaller errors and suspects more clean products, each cleared exactly);
-    ``compiled`` chooses the route: ``True`` checks the GEMMs inside ``torch.compile``'s
-    graphs (a function mode dynamo traces, docs/COMPILE.md), ``False`` uses the dispatch
-    mode (compiled frames then run eagerly), ``None`` is ``True`` when the model or one of
-    its modules is compiled (pass ``True`` for a compiled function that runs the model);
+    ``compiled`` chooses the route: ``True`` checks the GEMMs of compiled code by nodes put
+    into its graphs (docs/COMPILE.md), ``False`` uses the dispatch mode (frames dynamo has
+    not compiled then run eagerly), ``None`` (the default) is ``True`` when the model or one
+    of its modules is compiled and otherwise switches to ``True`` when dynamo is about to
+    compile a frame inside the block (a ``torch.compile(model)`` wrapper, a compiled
+    training step);
     ``calibrate_every`` (default 100): ``optimizer_step`` measures what interception
     really costs by running a watched step's closure once more with interception off,
     its effects undone, on the watched steps numbered 1, 2, 4, 8 and 16 and then every
