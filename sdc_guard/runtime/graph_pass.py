@@ -46,7 +46,8 @@ from .intercept import GLOBAL_SITE
 from .ops import Route, route_of
 
 #: higher-order ops whose subgraphs are the bodies that run (and hold the GEMMs): walked into
-WALKED = frozenset({"cond", "while_loop", "while_loop_stack_output", "invoke_subgraph"})
+WALKED = frozenset({"cond", "while_loop", "while_loop_stack_output", "invoke_subgraph",
+                    "tag_activation_checkpoint"})
 #: higher-order ops whose subgraphs hold no GEMM of the op's own (score and mask functions):
 #: the op itself is what multiplies matrices
 OPAQUE = frozenset({"flex_attention", "flex_attention_backward"})
@@ -107,7 +108,7 @@ class _Instrumenter:
         if route not in (Route.GEMM, Route.ATTENTION):
             return 0
         try:
-            spec, tensors = encode_call(node.args, node.kwargs, lambda v: isinstance(v, fx.Node))
+            spec, tensors = encode_call(node.args, node.kwargs, _is_tensor)
         except Unsupported:  # an argument no literal holds (a symbolic size): counted
             self._note(graph, node, str(op.overloadpacket))
             return 1
@@ -116,7 +117,7 @@ class _Instrumenter:
         candidates = self._anchors_of(node)
         if route is Route.GEMM:
             candidates += [a for a in anchors.get(node.meta.get("seq_nr"), []) if a not in candidates]
-        with graph.inserting_after(_latest(graph, [node, *[o for o in outputs if o is not None]])):
+        with graph.inserting_after(_last_of(node, [o for o in outputs if o is not None])):
             check = graph.call_function(CHECK_NODE, (
                 overload_name(op), tensors, spec, outputs if outputs else [node], candidates, site, self.fallback))
         check.meta["sdc_guard"] = "check"
@@ -256,9 +257,22 @@ def _all_nodes(graph: fx.Graph) -> Iterator[fx.Node]:
                 yield from sub.graph.nodes
 
 
-def _latest(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node:
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    return max(nodes, key=lambda n: order[n])
+def _is_tensor(value: Any) -> bool:
+    """A graph node that holds a tensor (a symbolic size is not one: a spec cannot hold it)."""
+    return isinstance(value, fx.Node) and isinstance(value.meta.get("val"), torch.Tensor)
+
+
+def _last_of(node: fx.Node, outputs: list[fx.Node]) -> fx.Node:
+    """The last of ``node`` and its ``outputs`` (its ``getitem`` s, which follow it) in
+    graph order, found by walking forward from ``node``."""
+    left = set(outputs)
+    last = current = node
+    while left and current.next is not current and current.op != "output":
+        current = current.next
+        if current in left:
+            left.discard(current)
+            last = current
+    return last
 
 
 def _through_views(node: fx.Node, depth: int = 8) -> fx.Node | None:
