@@ -371,3 +371,32 @@ def test_hugging_face_gradient_checkpointing_under_model_compile_is_verified():
     # partitioner's choice differs by a GEMM or so, and every module is a site of both
     assert abs(eager_guard.last_report.verified - expected) <= 2
     assert {s[:2] for s in eager_guard._ledger.sites_seen} <= {s[:2] for s in guard._ledger.sites_seen}
+
+
+EXIT_SCRIPT = """
+import sys
+sys.path.insert(0, {here!r})
+import torch
+import sdc_guard
+from respond_helpers import make_model, train
+model = make_model(ac="block")
+fault = sdc_guard.GemmFault(site="blocks.0.fc1", phase="backward", op="addmm", step=2, sticky=True)
+train(model, 6, faults=(fault,), policy=sdc_guard.Policy(exit_report_dir={out!r}),
+      wrapped=torch.compile(model, backend="aot_eager"))
+print("not reached")
+"""
+
+
+@pytest.mark.slow  # a subprocess compiling a checkpointed model: see CONTRIBUTING.md
+def test_a_persistent_fault_in_a_recomputed_gemm_ends_in_the_documented_exit(tmp_path):
+    """Recompute, then roll back, then exit with ``EXIT_PERSISTENT`` when the fault in the
+    recomputation comes back: the response chain of eager code, on compiled code."""
+    import json
+    import subprocess
+
+    script = EXIT_SCRIPT.format(here=str(Path(__file__).parent), out=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == sdc_guard.EXIT_PERSISTENT, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((tmp_path / "sdc_guard-exit.json").read_text())
+    assert report["classification"] == "persistent"
+    assert [(d["site"], d["phase"], d["op"]) for d in report["detections"]][:1] == [("blocks.0.fc1", "backward", "addmm")]
