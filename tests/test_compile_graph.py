@@ -217,6 +217,9 @@ def test_compiled_code_is_verified_inside_and_leaves_no_trace(how):
     inside = counters["frames"]["ok"] - frames
     assert inside >= 1  # compiled inside the block, once, and reused by the next guard
     assert not graph_install.installed() and graph_checks.current_sink() is None
+    from torch._dynamo.backends import debugging
+    from torch._inductor import config as inductor_config
+    assert inductor_config.post_grad_custom_pre_pass is None and not hasattr(debugging.boxed_nop, "sdc_guard")
     assert not torch.overrides._get_current_function_mode_stack() and torch._C._len_torch_dispatch_stack() == 0
     before, settled = graph_checks.checks_run(), None
     for _ in range(3):  # outside: compiled without checks, at most once more
