@@ -309,14 +309,17 @@ def test_helpers() -> None:
 
 @pytest.mark.slow  # integration-heavy (a subprocess, inductor compiling a model): see CONTRIBUTING.md
 def test_train_compiled(tmp_path: Path) -> None:
-    report = bench(tmp_path, "train", "--compile", "--steps", "2", "--warmup", "1", "--d-model", "32", "--layers",
-                   "1", "--heads", "2", "--ctx", "16", "--vocab", "32", "--batch", "2", "--window", "3")
+    report = bench(tmp_path, "train", "--compile", "--ac", "--steps", "2", "--warmup", "1", "--d-model", "32",
+                   "--layers", "1", "--heads", "2", "--ctx", "16", "--vocab", "32", "--batch", "2")
     rows = {(r["mode"], r["config"]): r for r in report["results"]}
-    budget = "Budget(0.05, window=3)"
+    budget = "Budget(0.05)"
     assert list(rows) == [(mode, config) for mode in ("compiled", "eager") for config in ("baseline", "Full()", budget)]
-    # one block (4 linear + 2 matmul forward, two gradients each) and the head: every GEMM, both routes
-    assert rows[("compiled", "Full()")]["gemms_verified_per_step"] == rows[("eager", "Full()")]["gemms_verified_per_step"] == 21
+    # one checkpointed block (4 linear + 2 matmul forward, two gradients each) and the head:
+    # 21 GEMMs, and what each route's recomputation runs again (eager checkpointing stops
+    # once it has what the backward needs; the partitioner recomputes its own choice)
+    assert rows[("compiled", "Full()")]["gemms_verified_per_step"] == 27
+    assert rows[("eager", "Full()")]["gemms_verified_per_step"] == 26
     assert all(r["flagged"] == 0 and r["step_ms_median"] > 0 for r in rows.values())
     assert rows[("compiled", "baseline")]["overhead_cpu"] == 0.0
-    assert set(report["targets"]) == {"full_compiled_le_20pct", "budget_compiled_le_7pct"}
+    assert set(report["targets"]) == {"full_compiled_le_12pct", "budget_compiled_le_5pct"} and report["settings"]["ac"]
     assert all({"measured", "measured_cpu", "met", "met_cpu"} <= set(t) for t in report["targets"].values())

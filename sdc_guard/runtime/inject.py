@@ -232,7 +232,7 @@ class FaultInjector(RoutingMode):
         compiled-route guard collects this thread's checks, aten ops are left alone. (The
         function mode alone does not say so: dynamo runs compiled code with the
         function-mode stack empty, and the aten ops of the graph then reach this mode.)"""
-        if function_mode_active() or current_sink() is not None:
+        if current_sink() is not None:
             return
         if route is Route.GEMM and isinstance(out, Tensor) and out.dtype in _INT_VIEW:
             self._maybe_corrupt(str(func.overloadpacket).split(".")[-1], out, args)
