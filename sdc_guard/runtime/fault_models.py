@@ -144,8 +144,8 @@ def corrupt(out: Tensor, kind: str, element: tuple[int, ...], *, bits: tuple[int
         raise ValueError(f"kind: expected one of {', '.join(KINDS)}, got {kind!r}")
     width(out.dtype)  # a TypeError naming the dtype where drills cannot corrupt it
     mask = bit_mask(out.dtype, bits) if kind in BIT_KINDS else 0
-    raw = out.detach().view(INT_VIEW[out.dtype])
-    values = out.detach()
+    values = out.data  # a view with its own version counter: the write bumps no version, as hardware's would not
+    raw = values.view(INT_VIEW[out.dtype])
     before = float(values[element])
     with _disable_current_modes():  # as hardware would: no dispatch mode sees the writes
         if kind == "swap_rows":
