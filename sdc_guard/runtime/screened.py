@@ -1,11 +1,13 @@
 """``Screened``: the gradient screen, ASD mode (docs/SCREENED.md).
 
 One of the samplers of ``sdc_guard.runtime.sampling`` (importable from there), in its own
-module because it is the one that watches gradients instead of choosing GEMMs.
+module because it is the one that watches gradients instead of choosing GEMMs; the
+per-layer statistics it compares with are ``sdc_guard.runtime.gradient_stats``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .budget import Budget  # noqa: F401  (the doctests' namespace)
+from .gradient_stats import NO_REFERENCE, ZERO_DELTA, Deviations, NormStatistics
 from .sampler_base import Sampler, SiteKey, StepCosts, check_sampler, sampler_watches, _check_weight
 
 
@@ -22,15 +25,20 @@ class GradientScreen:
 
     step: int
     tripped: bool  #: the statistic looked anomalous: the guard re-executes the step, verified
-    #: largest per-parameter gradient norm over that parameter's reference (nan when a norm
-    #: is not finite; compared with ``factor`` only after the warm-up)
+    #: largest per-parameter gradient norm over that parameter's typical norm (nan when a
+    #: norm is not finite; compared with ``factor`` only after the warm-up)
     worst_ratio: float
-    #: the norm of all gradients over that of the references: below ``1 / factor**2``, the
-    #: gradients collapsed (a clipping of an overflowed norm zeroes them all)
+    #: the norm of all gradients over that of the typical norms: below ``1 / factor**2``,
+    #: the gradients collapsed (a clipping of an overflowed norm zeroes them all)
     total_ratio: float
     nonfinite: int  #: parameters whose gradient holds a NaN or an infinity
     parameters: int  #: gradients screened
-    warming_up: bool  #: the reference was still being learnt (only non-finite trips)
+    warming_up: bool  #: the statistics were still being learnt (only non-finite trips)
+    #: the largest deviation of a log norm above its running mean, in running spreads
+    #: (compared with ``sigmas``; 0 while warming up)
+    worst_sigmas: float = 0.0
+    #: the index (among the screened gradients) of the parameter with that deviation
+    worst_parameter: int = -1
 
 
 #: How a tripped screen was resolved (``Screened.resolve_screen``).
@@ -49,14 +57,17 @@ class Screened:
     The front half of a silent-detection chain: after the backward and before the
     optimizer step (``Guard.optimizer_step``), the guard hands the gradients to
     ``screen_gradients``, which computes every parameter's gradient norm in one fused pass
-    (``torch._foreach_norm``) and compares each with its reference, an exponential moving
-    average of that parameter's past norms (weight ``smoothing``). The step trips when a
-    norm is not finite or, after ``warmup`` steps that only learn the reference, when
-    some norm exceeds ``factor`` times its reference (a spike, as Megatron's
-    ``is_unexpectedly_large``), or when the norm of all gradients falls under
-    ``1 / factor**2`` of the references' (a collapse: clipping an overflowed total norm
-    zeroes every gradient). One host synchronisation per step, none per parameter; no
-    dispatch mode and no GEMM check on the steps the screen passes.
+    (``torch._foreach_norm``) and compares each with that parameter's own running
+    statistics (``gradient_stats.NormStatistics``: the running mean and spread of its log
+    norm, weight ``smoothing``, spread floored at ``min_spread``). The step trips when a
+    norm is not finite or, after ``warmup`` steps that only learn, when some norm lies
+    more than ``sigmas`` spreads above its running mean (a layer's spike measured against
+    how much that layer's norm moves on its own, as torch_npu's feature-value detection
+    does), or exceeds ``factor`` times its typical norm (a spike, as Megatron's
+    ``is_unexpectedly_large``, whatever the spread), or when the norm of all gradients
+    falls under ``1 / factor**2`` of the typical norms' (a collapse: clipping an overflowed
+    total norm zeroes every gradient). One host synchronisation per step, none per
+    parameter; no dispatch mode and no GEMM check on the steps the screen passes.
 
     A tripped step is re-executed by the guard with every GEMM verified
     (``sdc_guard.respond.policy``): a corruption confirmed there is PERSISTENT; a clean
@@ -64,9 +75,10 @@ class Screened:
     on with the re-execution's gradients); identical gradients make the trip a *screen
     miss*: the statistic was legitimately unusual, counted and nothing else.
 
-    An SDC too small to move a gradient norm ``factor``-fold passes the screen; that is
-    what ``background`` is for: a sampler (``Budget(0.05)``) whose choices of GEMMs to
-    verify are taken as they are (docs/SCREENED.md). Without one, no step is watched.
+    An SDC that leaves every norm within its layer's spread passes the screen (a
+    permutation of a weight gradient's rows keeps its norm exactly); that is what
+    ``background`` is for: a sampler (``Budget(0.05)``) whose choices of GEMMs to verify
+    are taken as they are (docs/SCREENED.md). Without one, no step is watched.
 
     >>> s = Screened(Budget(0.05)); s.begin_step(0); s.watches_step()
     True
@@ -74,32 +86,33 @@ class Screened:
     (False, False)
     """
 
-    def __init__(self, background: Sampler | None = None, *, factor: float = 10.0, smoothing: float = 0.1,
-                 warmup: int = 5) -> None:
+    def __init__(self, background: Sampler | None = None, *, sigmas: float = 6.0, factor: float = 10.0,
+                 smoothing: float = 0.1, min_spread: float = 0.05, warmup: int = 10) -> None:
         if background is not None:
             check_sampler(background, "background")
             if isinstance(background, Screened):
                 raise TypeError("background: expected a sampler that chooses GEMMs (Budget(0.05), Rotating(8)), "
                                 "got another Screened, which would screen the same gradients twice")
-        what = "a number > 1 (a gradient norm above factor times its reference trips the screen)"
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)):
-            raise TypeError(f"factor: expected {what}, got {type(factor).__name__} {factor!r}")
-        if not 1 < factor < float("inf"):
-            raise ValueError(f"factor: expected {what}, got {factor!r}")
+        self.factor = _check_above("factor", factor, 1.0, "a number > 1 (a gradient norm above factor times "
+                                   "its typical norm trips the screen)", infinite=False)
+        self.sigmas = _check_above("sigmas", sigmas, 0.0, "a number > 0, or math.inf to turn the test off "
+                                   "(a log norm more than sigmas running spreads above its mean trips the screen)",
+                                   infinite=True)
+        self.min_spread = _check_above("min_spread", min_spread, 0.0, "a number > 0 (the smallest running "
+                                       "spread of a log norm: 0.05 is about 5 %)", infinite=False)
         smoothing = _check_weight("smoothing", smoothing)
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"warmup: expected a non-negative int (steps that only learn the reference), "
+            raise ValueError(f"warmup: expected a non-negative int (steps that only learn the statistics), "
                              f"got {warmup!r}")
         self.background = background
-        self.factor = float(factor)
         self.smoothing = smoothing
         self.warmup = warmup
         self.step = 0
         self.trips = 0  #: steps the screen tripped on
         self.misses = 0  #: trips whose verified re-execution was identical (legitimate spikes)
-        self._reference: Tensor | None = None  #: per-parameter EMA of gradient norms (float32)
-        self._shapes: list[tuple[int, ...]] | None = None  #: what the reference is of
-        self._learnt = 0  #: steps the reference has absorbed
+        self._stats: NormStatistics | None = None  #: per-parameter running statistics
+        self._shapes: list[tuple[int, ...]] | None = None  #: what the statistics are of
+        self._learnt = 0  #: steps the statistics have absorbed
         self._pending: Tensor | None = None  #: the tripped step's norms, until resolved
 
     # --- Sampler -----------------------------------------------------------------------------
@@ -129,73 +142,80 @@ class Screened:
 
     @property
     def warming_up(self) -> bool:
-        """True while the reference has absorbed fewer than ``warmup`` steps."""
+        """True while the statistics have absorbed fewer than ``warmup`` steps."""
         return self._learnt < self.warmup
 
     def screen_gradients(self, grads: list[Tensor]) -> GradientScreen:
         """Screen one step's gradients (``p.grad`` of the parameters that have one).
 
-        Norms, ratios and the non-finite count stay on the device until one transfer of
-        two numbers at the end. A step that passes is absorbed into the reference at
-        once; a tripped one waits for ``resolve_screen`` (a corrupted gradient must not
-        raise the bar for the next one).
+        Norms and deviations stay on the device until one transfer of four numbers at the
+        end (a tripped step, about to be re-executed, reads what it reports with a second).
+        A step that passes is absorbed into the statistics at once; a tripped one waits
+        for ``resolve_screen`` (a corrupted gradient must not raise the bar for the next
+        one).
         """
         norms = _norms(grads)
         shapes = [tuple(g.shape) for g in grads]
-        if self._reference is None or shapes != self._shapes:
+        if self._stats is None or shapes != self._shapes:
             # the first step, or another set of gradients (a frozen layer thawed): learn anew
-            self._reference, self._shapes, self._learnt = norms.clone(), shapes, 0
-            self._pending = None
-        elif self._reference.device != norms.device:  # a reference loaded from a checkpoint
-            self._reference = self._reference.to(norms.device)
-        tiny = torch.finfo(torch.float32).tiny
-        ratio = norms / self._reference.clamp_min(tiny)
-        total = torch.linalg.vector_norm(norms) / torch.linalg.vector_norm(self._reference).clamp_min(tiny)
-        nonfinite = (~torch.isfinite(norms)).sum()
-        worst, total_ratio, bad = torch.stack([ratio.max(), total, nonfinite.to(ratio.dtype)]).tolist() \
-            if len(grads) else (0.0, 1.0, 0.0)  # the step's one host synchronisation
+            self._stats = self._new_statistics(len(grads), norms.device)
+            self._shapes, self._learnt, self._pending = shapes, 0, None
+        elif self._stats.device != norms.device:  # statistics loaded from a checkpoint
+            self._stats.to(norms.device)
         warming = self.warming_up
-        tripped = bad > 0 or (not warming and not (worst <= self.factor and total_ratio * self.factor ** 2 >= 1))
-        if tripped:
-            self.trips += 1
-            self._pending = norms
-        else:
-            self._absorb(norms)
-        return GradientScreen(self.step, tripped, worst, total_ratio, int(bad), len(grads), warming)
+        if not grads:
+            self._learnt += 1
+            return GradientScreen(self.step, False, 0.0, 1.0, 0, 0, warming)
+        dev = self._stats.deviations(norms)
+        deviation, top, bottom, total_ratio = dev.summary.tolist()  # the step's one host synchronisation
+        finite = math.isfinite(top)  # a NaN or an infinite norm makes the largest delta NaN or inf
+        clean = finite and bottom > ZERO_DELTA
+        tripped = not finite or (not warming and not (
+            deviation <= self.sigmas and top <= math.log(self.factor) and total_ratio * self.factor ** 2 >= 1))
+        # no parameter has a typical norm yet (the first step): each is compared with itself
+        worst_ratio = math.nan if not finite else 1.0 if top <= NO_REFERENCE else math.exp(min(top, 700.0))
+        if not tripped:
+            self._absorb(dev, clean=clean)
+            return GradientScreen(self.step, False, worst_ratio, total_ratio, 0, len(grads), warming,
+                                  0.0 if warming else deviation)
+        self.trips += 1
+        self._pending = dev
+        nonfinite, where = torch.stack([(~torch.isfinite(norms)).sum().float(),
+                                        dev.sigmas.argmax().float()]).tolist()
+        return GradientScreen(self.step, True, worst_ratio, total_ratio, int(nonfinite), len(grads), warming,
+                              0.0 if warming else deviation, -1 if warming else int(where))
 
     def resolve_screen(self, verdict: str, grads: list[Tensor] | None = None) -> None:
         """Tell the screen how its last trip was resolved: a ``"miss"`` absorbs the
-        tripped step's norms into the reference, each capped at ``factor`` times its
-        reference (the values were legitimate: a lasting change of scale must not trip
-        every step, nor a one-off spike the steps after it), ``"transient"`` absorbs those of the
-        clean re-execution's ``grads``; anything else leaves the reference as it was."""
+        tripped step's norms into the statistics, each deviation capped at ``sigmas``
+        spreads (the values were legitimate: a lasting change of scale must not trip every
+        step, nor a one-off spike widen the spread for long), ``"transient"`` absorbs those
+        of the clean re-execution's ``grads``; anything else leaves the statistics as they
+        were."""
         if verdict not in SCREEN_VERDICTS:
             raise ValueError(f"verdict: expected one of {', '.join(SCREEN_VERDICTS)}, got {verdict!r}")
         pending, self._pending = self._pending, None
         if verdict == "miss":
             self.misses += 1
             if pending is not None:
-                self._absorb(pending)
-        elif verdict == "transient" and grads is not None and self._reference is not None and \
+                self._absorb(pending, cap=min(self.sigmas, math.log(self.factor) / self.min_spread))
+        elif verdict == "transient" and grads is not None and self._stats is not None and \
                 [tuple(g.shape) for g in grads] == self._shapes:
-            self._absorb(_norms(grads))
+            self._absorb(self._stats.deviations(_norms(grads).to(self._stats.device)))
 
-    def _absorb(self, norms: Tensor) -> None:
-        assert self._reference is not None
-        finite = torch.isfinite(norms)  # a legitimate overflow must not poison the reference
-        if self._learnt == 0:
-            self._reference = torch.where(finite, norms, self._reference)
-        else:
-            # a legitimate spike moves the reference by at most factor * smoothing of itself:
-            # a one-off outlier batch must not make the ordinary steps after it look collapsed
-            capped = torch.minimum(norms, self._reference * self.factor)
-            self._reference = torch.where(finite, torch.lerp(self._reference, capped, self.smoothing), self._reference)
+    def _new_statistics(self, size: int, device: torch.device | None) -> NormStatistics:
+        return NormStatistics(size, smoothing=self.smoothing, min_spread=self.min_spread,
+                              ready_after=max(self.warmup, 2), device=device)
+
+    def _absorb(self, dev: Deviations, *, clean: bool = False, cap: float | None = None) -> None:
+        assert self._stats is not None
+        self._stats.absorb(dev, clean=clean, cap=cap)
         self._learnt += 1
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "step": self.step, "trips": self.trips, "misses": self.misses, "learnt": self._learnt,
-            "reference": None if self._reference is None else self._reference.tolist(),
+            "statistics": None if self._stats is None else self._stats.state(),
             "shapes": None if self._shapes is None else [list(s) for s in self._shapes],
             "background": None if self.background is None else self.background.state_dict(),
         }
@@ -203,17 +223,36 @@ class Screened:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.trips, self.misses, self._learnt = int(state["trips"]), int(state["misses"]), int(state["learnt"])
-        ref = state["reference"]
-        self._reference = None if ref is None else torch.tensor(ref, dtype=torch.float32)
+        self._stats = None
+        if state.get("statistics") is not None:
+            self._stats = NormStatistics.from_state(state["statistics"], smoothing=self.smoothing,
+                                                    min_spread=self.min_spread, ready_after=max(self.warmup, 2))
+        elif state.get("reference") is not None:  # saved by a version that kept one moving average
+            reference = torch.tensor(state["reference"], dtype=torch.float32)
+            self._stats = self._new_statistics(len(reference), None)
+            self._stats.absorb(self._stats.deviations(reference))  # the typical norms carry over
+            self._learnt = min(self._learnt, 1)  # the spreads are learnt anew
         self._shapes = None if state["shapes"] is None else [tuple(s) for s in state["shapes"]]
         self._pending = None
         if self.background is not None and state.get("background") is not None:
             self.background.load_state_dict(state["background"])
 
     def __repr__(self) -> str:
-        inner = "" if self.background is None else repr(self.background)
-        extra = "" if self.factor == 10.0 else f"{', ' if inner else ''}factor={self.factor:g}"
-        return f"Screened({inner}{extra})"
+        parts = [] if self.background is None else [repr(self.background)]
+        if self.sigmas != 6.0:
+            parts.append(f"sigmas={self.sigmas:g}")
+        if self.factor != 10.0:
+            parts.append(f"factor={self.factor:g}")
+        return f"Screened({', '.join(parts)})"
+
+
+def _check_above(name: str, value: object, low: float, what: str, *, infinite: bool) -> float:
+    """A real number above ``low`` (and finite unless ``infinite``), else a clear error."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected {what}, got {type(value).__name__} {value!r}")
+    if not (value > low and (infinite or value < math.inf)):
+        raise ValueError(f"{name}: expected {what}, got {value!r}")
+    return float(value)
 
 
 def _norms(grads: list[Tensor]) -> Tensor:
