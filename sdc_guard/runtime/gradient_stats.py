@@ -101,7 +101,7 @@ class NormStatistics:
     def absorb(self, dev: Deviations, *, clean: bool = False, cap: float | None = None) -> None:
         """Learn one step's norms from their deviations. ``clean``: the caller read the
         summary and knows every norm is finite and non-zero (the short path, in a few
-        operations); ``cap``: each deviation limited to ``cap`` spreads (a legitimately
+        operations); ``cap``: each deviation limited to ``cap`` (in log units: a legitimately
         unusual step moves the statistics, but by a bounded amount)."""
         if self._steady and clean and cap is None and self.ready_after * self.smoothing <= 1:
             delta, weight = dev.delta, self.smoothing  # every parameter ready, every norm usable
@@ -122,8 +122,7 @@ class NormStatistics:
         weight = torch.clamp_min(1.0 / (self.counts + 1), self.smoothing)
         delta = torch.where(usable & ~first, dev.delta, torch.zeros_like(self.mean))
         if cap is not None:
-            limit = cap * self.spread()
-            delta = torch.maximum(torch.minimum(delta, limit), -limit)
+            delta = delta.clamp(-cap, cap)
         self.mean = torch.where(usable & first, dev.log_norms, self.mean + weight * delta)
         self.var = torch.where(usable & ~first, (1 - weight) * (self.var + weight * delta * delta), self.var)
         self.counts = self.counts + usable.to(self.counts.dtype)

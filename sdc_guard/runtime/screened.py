@@ -28,7 +28,7 @@ class GradientScreen:
     #: largest per-parameter gradient norm over that parameter's typical norm (nan when a
     #: norm is not finite; compared with ``factor`` only after the warm-up)
     worst_ratio: float
-    #: the norm of all gradients over that of the typical norms: below ``1 / factor**2``,
+    #: the norm of all gradients over that of the typical norms: below ``COLLAPSE``,
     #: the gradients collapsed (a clipping of an overflowed norm zeroes them all)
     total_ratio: float
     nonfinite: int  #: parameters whose gradient holds a NaN or an infinity
@@ -40,6 +40,9 @@ class GradientScreen:
     #: the index (among the screened gradients) of the parameter with that deviation
     worst_parameter: int = -1
 
+
+#: The norm of all gradients under this share of the typical norms' is a collapse.
+COLLAPSE = 0.01
 
 #: How a tripped screen was resolved (``Screened.resolve_screen``).
 SCREEN_VERDICTS = ("miss", "transient", "persistent", "non_deterministic", "unresolved")
@@ -64,9 +67,9 @@ class Screened:
     more than ``sigmas`` spreads above its running mean (a layer's spike measured against
     how much that layer's norm moves on its own, as torch_npu's feature-value detection
     does), or exceeds ``factor`` times its typical norm (a spike, as Megatron's
-    ``is_unexpectedly_large``, whatever the spread), or when the norm of all gradients
-    falls under ``1 / factor**2`` of the typical norms' (a collapse: clipping an overflowed
-    total norm zeroes every gradient). One host synchronisation per step, none per
+    ``is_unexpectedly_large``, whatever the spread: a ceiling for the noisiest layers), or
+    when the norm of all gradients falls under ``COLLAPSE`` (a hundredth) of the typical
+    norms' (a collapse: clipping an overflowed total norm zeroes every gradient). One host synchronisation per step, none per
     parameter; no dispatch mode and no GEMM check on the steps the screen passes.
 
     A tripped step is re-executed by the guard with every GEMM verified
@@ -86,7 +89,7 @@ class Screened:
     (False, False)
     """
 
-    def __init__(self, background: Sampler | None = None, *, sigmas: float = 6.0, factor: float = 10.0,
+    def __init__(self, background: Sampler | None = None, *, sigmas: float = 6.0, factor: float = 100.0,
                  smoothing: float = 0.1, min_spread: float = 0.05, warmup: int = 10) -> None:
         if background is not None:
             check_sampler(background, "background")
@@ -171,7 +174,7 @@ class Screened:
         finite = math.isfinite(top)  # a NaN or an infinite norm makes the largest delta NaN or inf
         clean = finite and bottom > ZERO_DELTA
         tripped = not finite or (not warming and not (
-            deviation <= self.sigmas and top <= math.log(self.factor) and total_ratio * self.factor ** 2 >= 1))
+            deviation <= self.sigmas and top <= math.log(self.factor) and total_ratio >= COLLAPSE))
         # no parameter has a typical norm yet (the first step): each is compared with itself
         worst_ratio = math.nan if not finite else 1.0 if top <= NO_REFERENCE else math.exp(min(top, 700.0))
         if not tripped:
@@ -187,18 +190,19 @@ class Screened:
 
     def resolve_screen(self, verdict: str, grads: list[Tensor] | None = None) -> None:
         """Tell the screen how its last trip was resolved: a ``"miss"`` absorbs the
-        tripped step's norms into the statistics, each deviation capped at ``sigmas``
-        spreads (the values were legitimate: a lasting change of scale must not trip every
-        step, nor a one-off spike widen the spread for long), ``"transient"`` absorbs those
-        of the clean re-execution's ``grads``; anything else leaves the statistics as they
-        were."""
+        tripped step's norms into the statistics like any legitimate step's (a lasting
+        change of scale widens the layer's spread and moves its mean, so that it trips
+        once or twice, not at every step until a capped mean has caught up; a one-off
+        outlier leaves the layer less sensitive while its spread decays back, as a layer
+        that just proved unpredictable should be), ``"transient"`` absorbs those of the clean re-execution's ``grads``; anything else
+        leaves the statistics as they were."""
         if verdict not in SCREEN_VERDICTS:
             raise ValueError(f"verdict: expected one of {', '.join(SCREEN_VERDICTS)}, got {verdict!r}")
         pending, self._pending = self._pending, None
         if verdict == "miss":
             self.misses += 1
             if pending is not None:
-                self._absorb(pending, cap=min(self.sigmas, math.log(self.factor) / self.min_spread))
+                self._absorb(pending)
         elif verdict == "transient" and grads is not None and self._stats is not None and \
                 [tuple(g.shape) for g in grads] == self._shapes:
             self._absorb(self._stats.deviations(_norms(grads).to(self._stats.device)))
@@ -231,7 +235,7 @@ class Screened:
             reference = torch.tensor(state["reference"], dtype=torch.float32)
             self._stats = self._new_statistics(len(reference), None)
             self._stats.absorb(self._stats.deviations(reference))  # the typical norms carry over
-            self._learnt = min(self._learnt, 1)  # the spreads are learnt anew
+            self._learnt = 0  # the spreads are learnt anew, in a warm-up of their own
         self._shapes = None if state["shapes"] is None else [tuple(s) for s in state["shapes"]]
         self._pending = None
         if self.background is not None and state.get("background") is not None:
@@ -241,7 +245,7 @@ class Screened:
         parts = [] if self.background is None else [repr(self.background)]
         if self.sigmas != 6.0:
             parts.append(f"sigmas={self.sigmas:g}")
-        if self.factor != 10.0:
+        if self.factor != 100.0:
             parts.append(f"factor={self.factor:g}")
         return f"Screened({', '.join(parts)})"
 
