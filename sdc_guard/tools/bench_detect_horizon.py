@@ -5,7 +5,7 @@ any single step. This trains each workload (``--models``, ``--precisions``) from
 weights for ``N`` steps after a warm-up of ``WARMUP_STEPS``, with one bit stuck at 1 at
 one lane of every GEMM's output (``GemmFault(kind="stuck")``, no site: every GEMM of
 every step, forward and backward), by default the bit worth ``2**-7`` of the value (bf16's
-lowest mantissa bit; the same weight in fp32), ``--horizon-bit`` to choose. Reported per
+lowest mantissa bit; the same weight in fp32), ``--horizon-bits`` to choose (one run each). Reported per
 workload:
 
 - the harm at a single step: the update change of the first faulty step against the
@@ -26,7 +26,9 @@ from typing import Any
 from .bench_common import Outcome, Progress, machine, resolve_device, table
 from ..respond.policy import Policy
 from ..runtime.inject import GemmFault, drill
-from .training_runs import Copy, bit_layout, default_schedule, output_dtype, relative_change, workloads
+from .training_runs import (
+    Copy, bit_layout, default_schedule, output_dtype, quiet_guard_log, relative_change, workloads,
+)
 
 WARMUP_STEPS = 12
 #: held-out batches the final loss is measured on (batch numbers no training step uses)
@@ -54,15 +56,19 @@ def run(args: argparse.Namespace) -> Outcome:
     precisions = args.precisions or ["fp32"]
     makers = samplers(args)
     works = workloads(names, args.seed)
-    progress = Progress(len(works) * len(precisions) * (2 + len(makers)), quiet=args.quiet)
     runs = []
-    for work in works:
-        for precision in precisions:
-            bit = args.horizon_bit if args.horizon_bit is not None else default_bit(precision)
-            width, _, _ = bit_layout(output_dtype(precision))
+    plan = []
+    for precision in precisions:
+        width, _, _ = bit_layout(output_dtype(precision))
+        for bit in args.horizon_bits or [default_bit(precision)]:
             if not 0 <= bit < width:
-                raise ValueError(f"horizon-bit: expected 0..{width - 1} for {precision} outputs, got {bit}")
-            runs.append(_run(work, precision, steps, bit, makers, args.seed, progress))
+                raise ValueError(f"horizon-bits: expected 0..{width - 1} for {precision} outputs, got {bit}")
+            plan.append((precision, bit))
+    progress = Progress(len(works) * len(plan) * (1 + len(makers)), quiet=args.quiet)
+    with quiet_guard_log():
+        for work in works:
+            for precision, bit in plan:
+                runs.append(_run(work, precision, steps, bit, makers, args.seed, progress))
     print(render(runs, steps))
     payload = {"command": "detect", "mode": "training-horizon", "machine": machine(resolve_device(args.device)),
                "settings": {"steps": steps, "warmup_steps": WARMUP_STEPS, "models": names, "precisions": precisions,

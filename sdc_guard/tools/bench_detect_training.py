@@ -12,7 +12,8 @@ uniformly among the step's forward and backward GEMMs. Each sampler (``Full()``,
 ``Budget(b)``, ``EveryN(n)``, ``Screened()``, the previous screen's test ``Screened(sigmas=inf, factor=10)``
 that compares norms with one factor only, and ``Screened(Budget(b))``) trains its own copy
 of the model; at a trial step its copy runs the step once with the fault (through
-``Guard.optimizer_step``, the default policy) and is then put back (model, optimizer,
+``Guard.optimizer_step``, the default policy except that a persistent fault skips the
+step instead of rolling back) and is then put back (model, optimizer,
 sampler) and runs the step clean, so that every copy follows the same clean trajectory
 and meets the same faults in the same states. A fault is *caught* when the guarded step
 was a detection (``StepOutcome.detected``: a confirmed GEMM flag, or a tripped screen whose
@@ -22,7 +23,9 @@ GEMM screen in this build sees: the bench reports it, it does not assume it.
 Whether a fault mattered is measured apart, on an unguarded copy: the update the
 optimizer makes with the fault against the clean update from the same state,
 ``|faulty - clean| / |clean|`` over all parameters. More than 1 % is *harmful*, more than
-10 % *severe*. For scale, every few trials the same state takes the next step's batch
+10 % *severe*. Beside it, the largest change the fault made to a parameter's gradient norm
+(against the clean step's): a fault that changes no norm by more than 5 % (the gradient
+screen's smallest spread) is out of reach of any statistic of the norms. For scale, every few trials the same state takes the next step's batch
 instead: how much an ordinary change of batch moves the update (reported as its median).
 
 ``--clean`` measures the other side of the screen, the clean steps it re-executes
@@ -39,11 +42,12 @@ import statistics
 from typing import Any, Callable
 
 from .bench_common import Outcome, Progress, argtype, machine, parse_names, resolve_device, table
+from ..respond.policy import Policy
 from ..runtime.inject import drill
 from ..runtime.sampling import Budget, EveryN, Full, Sampler, Screened
 from .training_runs import (
-    FAULT_CLASSES, HARMFUL, SEVERE, Copy, default_schedule, draw_fault, gemms_per_step, output_dtype,
-    relative_change, workloads,
+    FAULT_CLASSES, HARMFUL, SEVERE, VISIBLE, Copy, default_schedule, draw_fault, gemms_per_step,
+    largest_norm_change, output_dtype, quiet_guard_log, relative_change, workloads,
 )
 
 #: Clean steps before the first trial: the screen's statistics (warm-up 10) and Budget's costs are learnt.
@@ -53,6 +57,9 @@ TRIALS = 10
 MODELS = ("toy:64/64/8/2/3e-3", "hf:llama")
 #: a batch-change reference every this many trials
 NOISE_EVERY = 5
+#: the default policy, less what would outlast a trial (a rollback, an exit after a second
+#: persistent fault): each trial is put back by the bench, and every fault is a first one
+TRIAL_POLICY = Policy(on_persistent="skip", on_repeated="skip")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,9 +89,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--horizon", type=int, default=None, metavar="N",
                        help="--training: a bit stuck at one lane of every GEMM for N steps (200 in the issue): "
                             "final-loss drift and when each sampler caught it (sdc_guard.tools.bench_detect_horizon)")
-    group.add_argument("--horizon-bit", type=int, default=None,
-                       help="--horizon: the stuck bit (default: the one worth 2**-7 of the value, bf16's lowest "
-                            "mantissa bit)")
+    group.add_argument("--horizon-bits", default=None, type=argtype(_bits),
+                       help="--horizon: comma list of stuck bits, one run each (default: the bit worth 2**-7 of "
+                            "the value, bf16's lowest mantissa bit)")
+
+
+def _bits(text: str) -> list[int]:
+    try:
+        bits = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"horizon-bits: expected a comma list of bit positions, got {text!r}") from None
+    if not bits or any(b < 0 for b in bits):
+        raise ValueError(f"horizon-bits: expected a comma list of non-negative bit positions, got {text!r}")
+    return bits
 
 
 def _models(text: str) -> list[str]:
@@ -139,7 +156,8 @@ def run(args: argparse.Namespace) -> Outcome:
     progress = Progress(len(runs) * trials_per_class * len(classes), quiet=args.quiet)
     sections = []
     for work, precision in runs:
-        trials, noise, gemms = _trials(work, precision, classes, trials_per_class, makers, args, progress)
+        with quiet_guard_log():
+            trials, noise, gemms = _trials(work, precision, classes, trials_per_class, makers, args, progress)
         sections.append({"model": work.name, "precision": precision, "lr": work.lr, "gemms_per_step": gemms,
                          "batch_change_median": statistics.median(noise) if noise else math.nan,
                          "results": summarise(trials, classes, names), "trials": trials})
@@ -159,7 +177,8 @@ def _trials(work: Any, precision: str, classes: list[str], per_class: int, maker
     """One workload's trials: (the trials, the batch-change references, GEMMs per step)."""
     total = per_class * len(classes)
     schedule = default_schedule(work, WARMUP_STEPS + total)
-    copies = {name: Copy(work, schedule, precision, make(), seed=args.seed) for name, make in makers.items()}
+    copies = {name: Copy(work, schedule, precision, make(), seed=args.seed, policy=TRIAL_POLICY)
+              for name, make in makers.items()}
     plain = Copy(work, schedule, precision, None, seed=args.seed)
     for step in range(WARMUP_STEPS):
         for c in (*copies.values(), plain):
@@ -177,7 +196,7 @@ def _trials(work: Any, precision: str, classes: list[str], per_class: int, maker
         before = plain.params()
         with drill(plain.model, fault, seed=seed) as injector:
             plain.step(step)
-        faulty = plain.params()
+        faulty, faulty_norms = plain.params(), plain.grad_norms()
         if i % NOISE_EVERY == 0:  # the same state, the next batch: an ordinary change of the update
             plain.restore(state, step)
             plain.step(step, batch=step + 1)
@@ -186,6 +205,7 @@ def _trials(work: Any, precision: str, classes: list[str], per_class: int, maker
         plain.step(step)
         clean = plain.params()
         change = relative_change(before, faulty, clean)
+        norm_change = largest_norm_change(faulty_norms, plain.grad_norms())
         if i % NOISE_EVERY == 0:
             noise.append(relative_change(before, other, clean))
         caught, how = {}, {}
@@ -204,6 +224,7 @@ def _trials(work: Any, precision: str, classes: list[str], per_class: int, maker
             "site": injections[0].site if injections else None, "phase": injections[0].phase if injections else None,
             "gemms_hit": sum(j.changed for j in injections), "elements": sum(j.elements for j in injections),
             "update_change": change, "harmful": change > HARMFUL, "severe": change > SEVERE,
+            "norm_change": norm_change, "norm_visible": norm_change > VISIBLE,
             "caught": caught, "how": how})
         progress.step(f"{work.name} {precision} trial {i + 1}/{total} ({cls}, "
                       f"{injections[0].site if injections else '?'})",
@@ -221,7 +242,7 @@ def summarise(trials: list[dict[str, Any]], classes: list[str], names: list[str]
         harmful = [t for t in mine if t["harmful"]]
         severe = [t for t in mine if t["severe"]]
         row: dict[str, Any] = {"class": cls, "trials": len(mine), "harmful": len(harmful), "severe": len(severe),
-                               "samplers": {}}
+                               "harmful_norm_visible": sum(t["norm_visible"] for t in harmful), "samplers": {}}
         for name in names:
             missed = [t["update_change"] for t in mine if not t["caught"][name]]
             caught = len(mine) - len(missed)
@@ -244,20 +265,21 @@ def _pct(value: float) -> str:
 
 
 def _table(results: list[dict[str, Any]], names: list[str]) -> str:
-    headers = ["fault class", "faults", "harmful", "severe"] + names
+    headers = ["fault class", "faults", "harmful", "severe", "harmful, norm-visible"] + names
     body = []
     for r in results:
         cells = [f"{_pct(s['caught_rate'])} / {_pct(s['harmful_let_through_rate'])} / "
                  f"{_pct(s['severe_let_through_rate'])}" for s in (r["samplers"][n] for n in names)]
-        body.append([r["class"], r["trials"], r["harmful"], r["severe"], *cells])
-    return table(headers, body, align="lrrr" + "r" * len(names))
+        body.append([r["class"], r["trials"], r["harmful"], r["severe"], r["harmful_norm_visible"], *cells])
+    return table(headers, body, align="lrrrr" + "r" * len(names))
 
 
 def render(sections: list[dict[str, Any]], pooled: list[dict[str, Any]], names: list[str],
            args: argparse.Namespace) -> str:
     lines = [f"faults in random GEMMs of training runs, one per step after {WARMUP_STEPS} clean steps; each cell: "
              f"caught / harmful let through / severe let through (harmful: the fault moved the optimizer's update by "
-             f"more than {100 * HARMFUL:g} %, severe: by more than {100 * SEVERE:g} %)"]
+             f"more than {100 * HARMFUL:g} %, severe: by more than {100 * SEVERE:g} %; norm-visible: it changed some "
+             f"parameter's gradient norm by more than {100 * VISIBLE:g} %, what a gradient statistic can see at all)"]
     for s in sections:
         lines += ["", f"{s['model']}, {s['precision']}, AdamW lr {s['lr']:g} (warm-up, cosine, spikes), "
                       f"{s['gemms_per_step']} GEMMs per step; a change of batch moves the update by "

@@ -16,11 +16,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import math
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
@@ -42,6 +44,9 @@ SINGLE_BIT = FAULT_CLASSES[:4]
 #: An update moved by more than this (relative) is a harmful fault; by more than SEVERE, a severe one.
 HARMFUL = 0.01
 SEVERE = 0.1
+#: A fault that changes some parameter's gradient norm by more than this (relative) is
+#: visible to a statistic of the norms at all (``Screened``'s smallest spread, min_spread).
+VISIBLE = 0.05
 #: The tile of the periodic patterns and of swapped rows, the sizes a zeroed tile is drawn from.
 PATTERN_TILE = 128
 ZERO_TILES = (16, 64)
@@ -99,8 +104,8 @@ class Schedule:
     to a tenth of ``base`` at ``steps``, and ``spikes`` of ``(first step, length, factor)``:
     the rate times ``factor`` for ``length`` steps (a restart, a misconfigured rate).
 
-    >>> s = Schedule(1e-3, steps=100, warmup=10, spikes=((50, 2, 10.0),)); s.lr(0), round(s.lr(50) / s.lr(49), 1)
-    (0.0001, 10.0)
+    >>> s = Schedule(1e-3, steps=100, warmup=10, spikes=((50, 2, 10.0),)); s.lr(0), round(s.lr(50) / s.lr(49))
+    (0.0001, 10)
     """
 
     base: float
@@ -190,6 +195,10 @@ class Copy:
     def params(self) -> list[Tensor]:
         return [p.detach().clone() for p in self.model.parameters()]
 
+    def grad_norms(self) -> list[float]:
+        """The 2-norm of each parameter's gradient as the last step left it (0 for none)."""
+        return [0.0 if p.grad is None else float(p.grad.float().norm()) for p in self.model.parameters()]
+
     @torch.no_grad()
     def eval_loss(self, batches: range) -> float:
         """Mean loss over fixed batches (held out: step numbers no training step uses)."""
@@ -214,12 +223,43 @@ def relative_change(before: list[Tensor], faulty: list[Tensor], clean: list[Tens
     return diff / norm if norm > 0 else (0.0 if diff == 0 else math.inf)
 
 
+def largest_norm_change(faulty: list[float], clean: list[float]) -> float:
+    """The largest relative change of a gradient norm, ``exp(max |log(faulty / clean)|) - 1``
+    over the parameters with a gradient (inf for a norm that is not finite).
+
+    >>> largest_norm_change([1.0, 2.2], [1.0, 2.0])
+    0.1...
+    """
+    worst = 0.0
+    for f, c in zip(faulty, clean):
+        if not math.isfinite(f):
+            return math.inf
+        if f > 0 and c > 0:
+            worst = max(worst, abs(math.log(f / c)))
+        elif (f > 0) != (c > 0):
+            return math.inf
+    return math.expm1(worst)
+
+
 def gemms_per_step(work: Workload, precision: str) -> int:
     """GEMMs one training step of ``work`` runs (forward and backward), counted by a guard."""
     probe = Copy(work, Schedule(0.0, 1), precision, Full())
     probe.step(0)
     assert probe.guard is not None and probe.guard.last_report is not None
     return probe.guard.last_report.seen
+
+
+@contextlib.contextmanager
+def quiet_guard_log() -> Iterator[None]:
+    """The guard's warnings off while a bench drills faults on purpose (each detection
+    would log a line; the bench reports them all), restored after."""
+    logger = logging.getLogger("sdc_guard")
+    level = logger.level
+    logger.setLevel(logging.ERROR + 10)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def workloads(names: list[str], seed: int) -> list[Workload]:
