@@ -27,7 +27,7 @@ from .bench_common import Outcome, Progress, machine, resolve_device, table
 from ..respond.policy import Policy
 from ..runtime.inject import GemmFault, drill
 from .training_runs import (
-    Copy, bit_layout, default_schedule, output_dtype, quiet_guard_log, relative_change, workloads,
+    Copy, bit_layout, default_schedule, output_dtype, quiet_guard_log, relative_change, samplers, workloads,
 )
 
 WARMUP_STEPS = 12
@@ -48,13 +48,11 @@ def default_bit(precision: str) -> int:
 
 
 def run(args: argparse.Namespace) -> Outcome:
-    from .bench_detect_training import samplers
-
     resolve_device(args.device)
     steps = args.horizon
     names = args.models or list(MODELS)
     precisions = args.precisions or ["fp32"]
-    makers = samplers(args)
+    makers = samplers(args.budget, args.every_n)
     works = workloads(names, args.seed)
     runs = []
     plan = []

@@ -44,10 +44,10 @@ from typing import Any, Callable
 from .bench_common import Outcome, Progress, argtype, machine, parse_names, resolve_device, table
 from ..respond.policy import Policy
 from ..runtime.inject import drill
-from ..runtime.sampling import Budget, EveryN, Full, Sampler, Screened
+from ..runtime.sampling import Sampler
 from .training_runs import (
     FAULT_CLASSES, HARMFUL, SEVERE, VISIBLE, Copy, default_schedule, draw_fault, gemms_per_step,
-    largest_norm_change, output_dtype, quiet_guard_log, relative_change, workloads,
+    largest_norm_change, output_dtype, quiet_guard_log, relative_change, samplers, workloads,
 )
 
 #: Clean steps before the first trial: the screen's statistics (warm-up 10) and Budget's costs are learnt.
@@ -111,19 +111,6 @@ def _models(text: str) -> list[str]:
     return names
 
 
-def samplers(args: argparse.Namespace) -> dict[str, Callable[[], Sampler]]:
-    """The samplers compared, by the name the report gives them."""
-    b = args.budget
-    return {
-        "Full()": Full,
-        f"Budget({b:g})": lambda: Budget(b),
-        f"EveryN({args.every_n})": lambda: EveryN(args.every_n),
-        "Screened(sigmas=inf, factor=10)": lambda: Screened(sigmas=math.inf, factor=10),
-        "Screened()": Screened,
-        f"Screened(Budget({b:g}))": lambda: Screened(Budget(b)),
-    }
-
-
 def check_arguments(args: argparse.Namespace) -> None:
     for name in ("trials", "steps", "horizon", "every_n"):
         value = getattr(args, name, None)
@@ -148,7 +135,7 @@ def run(args: argparse.Namespace) -> Outcome:
     resolve_device(args.device)  # the copies train on the CPU (autocast "cpu"); a device name is still checked
     trials_per_class = args.trials or TRIALS
     classes = list(args.faults)
-    makers = samplers(args)
+    makers = samplers(args.budget, args.every_n)
     names = list(makers)
     models, precisions = args.models or list(MODELS), args.precisions or ["fp32"]
     works = workloads(models, args.seed)

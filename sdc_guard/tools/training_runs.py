@@ -22,7 +22,7 @@ import logging
 import math
 import random
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -31,7 +31,7 @@ from ..respond.policy import Policy
 from ..respond.snapshot import SnapshotStore
 from ..runtime.guard import Guard, protect
 from ..runtime.inject import GemmFault
-from ..runtime.sampling import Full, Sampler
+from ..runtime.sampling import Budget, EveryN, Full, Sampler, Screened
 from ..runtime.schedule import set_current_step
 from .bench_models import PRECISIONS, Workload, build
 
@@ -247,6 +247,21 @@ def gemms_per_step(work: Workload, precision: str) -> int:
     probe.step(0)
     assert probe.guard is not None and probe.guard.last_report is not None
     return probe.guard.last_report.seen
+
+
+def samplers(budget: float, every_n: int) -> dict[str, Callable[[], Sampler]]:
+    """The samplers the training benches compare, by the name their reports give them:
+    ``Full()``, ``Budget(budget)``, ``EveryN(every_n)``, the previous screen's test (one
+    factor of 10, no per-layer spread), ``Screened()`` and ``Screened(Budget(budget))``."""
+    b = budget
+    return {
+        "Full()": Full,
+        f"Budget({b:g})": lambda: Budget(b),
+        f"EveryN({every_n})": lambda: EveryN(every_n),
+        "Screened(sigmas=inf, factor=10)": lambda: Screened(sigmas=math.inf, factor=10),
+        "Screened()": Screened,
+        f"Screened(Budget({b:g}))": lambda: Screened(Budget(b)),
+    }
 
 
 @contextlib.contextmanager
