@@ -330,6 +330,27 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "expected names from" in capsys.readouterr().err
 
 
+def test_a_training_copy_put_back_twice_takes_the_same_step() -> None:
+    """The fault bench puts a copy back more than once from one saved state (the faulty
+    step, a change of batch, the clean step): each must start from the same state."""
+    from sdc_guard.tools.training_runs import Copy, default_schedule, relative_change, workloads
+
+    (work,) = workloads(["toy:32/32/4/1/3e-3"], 0)
+    c = Copy(work, default_schedule(work, 20), "fp32", None)
+    for step in range(5):
+        c.step(step)
+    state, before = c.state(), c.params()
+    c.step(5)
+    first = c.params()
+    c.restore(state, 5)
+    c.step(5, batch=6)
+    other = c.params()
+    c.restore(state, 5)
+    c.step(5)
+    assert relative_change(before, first, c.params()) == 0.0
+    assert relative_change(before, other, c.params()) > 0.01  # another batch: another update
+
+
 def test_detect_training_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     for args, message in ((["--trials", "0"], "trials: expected a positive int, got 0"),
                           (["--horizon", "0"], "horizon: expected a positive int, got 0"),

@@ -155,9 +155,12 @@ class Copy:
                 None if self.sampler is None else copy.deepcopy(self.sampler.state_dict()))
 
     def restore(self, state: tuple[Any, ...], step: int) -> None:
+        """Put ``state`` (``self.state()``) back, as before ``step``. The state stays
+        reusable: an optimizer loads a state dict's tensors without copying them, and its
+        next step would write into them."""
         model, opt, sampler = state
         self.model.load_state_dict(model)
-        self.opt.load_state_dict(opt)
+        self.opt.load_state_dict(copy.deepcopy(opt))
         if self.sampler is not None and sampler is not None:
             self.sampler.load_state_dict(copy.deepcopy(sampler))
         set_current_step(self.model, step)
