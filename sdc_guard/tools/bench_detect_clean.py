@@ -99,6 +99,8 @@ def _run(work: Any, precision: str, steps: int, seed: int) -> dict[str, Any]:
                                                                         "non_deterministic", "unresolved")},
             "detections": sum(bool(o.detected) for o in outs),
             "max_sigmas_passed": max((o.report.gradient_sigmas for o in outs if not o.tripped_ranks), default=0.0),
+            #: every step's largest deviation in spreads (after the warm-up): where other sigmas would trip
+            "sigmas": [o.report.gradient_sigmas for o in outs],
             "max_ratio_passed": max((o.report.gradient_ratio for o in outs if not o.tripped_ranks), default=0.0),
             "cost": sum(times[name][i] for i in passed) / base - 1 if base > 0 else math.nan,
             "cost_median": statistics.median(ratios) - 1 if ratios else math.nan,

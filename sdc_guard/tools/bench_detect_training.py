@@ -195,13 +195,16 @@ def _trials(work: Any, precision: str, classes: list[str], per_class: int, maker
         norm_change = largest_norm_change(faulty_norms, plain.grad_norms())
         if i % NOISE_EVERY == 0:
             noise.append(relative_change(before, other, clean))
-        caught, how = {}, {}
+        caught, how, screen = {}, {}, {}
         for name, c in copies.items():
             state = c.state()
             with drill(c.model, fault, seed=seed):
                 outcome = c.step(step)
             caught[name] = bool(outcome.detected)
             how[name] = outcome.screen or outcome.classification or ("tripped" if outcome.tripped_ranks else None)
+            if outcome.report.gradient_screened:  # what the screen saw: its margin, for the trade-off
+                screen[name] = {"sigmas": outcome.report.gradient_sigmas, "ratio": outcome.report.gradient_ratio,
+                                "nonfinite": outcome.report.nonfinite_grads}
             c.restore(state, step)
             c.step(step)
         injections = injector.injections
@@ -212,7 +215,7 @@ def _trials(work: Any, precision: str, classes: list[str], per_class: int, maker
             "gemms_hit": sum(j.changed for j in injections), "elements": sum(j.elements for j in injections),
             "update_change": change, "harmful": change > HARMFUL, "severe": change > SEVERE,
             "norm_change": norm_change, "norm_visible": norm_change > VISIBLE,
-            "caught": caught, "how": how})
+            "caught": caught, "how": how, "screen": screen})
         progress.step(f"{work.name} {precision} trial {i + 1}/{total} ({cls}, "
                       f"{injections[0].site if injections else '?'})",
                       f"update moved {change:.2g}; caught by " + (", ".join(n for n, v in caught.items() if v) or "none"))
