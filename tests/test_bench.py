@@ -211,7 +211,7 @@ def test_detect_attention_bad_arguments(capsys: pytest.CaptureFixture[str]) -> N
 
 @pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_detect_training_reports_what_each_sampler_catches_by_fault_class(tmp_path: Path) -> None:
-    classes = ["exponent (top)", "mantissa", "stuck lane", "zeroed tile", "nan"]
+    classes = ["exponent (top)", "stuck lane", "zeroed tile", "nan"]
     report = bench(tmp_path, "detect", "--training", "--trials", "1", "--models", "toy:32/32/4/1/3e-3",
                    "--faults", ",".join(classes))
     names = ["Full()", "Budget(0.05)", "EveryN(8)", "Screened(sigmas=inf, factor=10)", "Screened()",
@@ -239,23 +239,23 @@ def test_detect_training_reports_what_each_sampler_catches_by_fault_class(tmp_pa
 
 @pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_detect_training_clean_counts_the_steps_the_screen_re_executes(tmp_path: Path) -> None:
-    report = bench(tmp_path, "detect", "--training", "--clean", "--steps", "40", "--models", "toy:32/32/4/1/3e-3",
+    report = bench(tmp_path, "detect", "--training", "--clean", "--steps", "25", "--models", "toy:32/32/4/1/3e-3",
                    "--precisions", "fp32")
     (run,) = report["runs"]
-    assert report["mode"] == "training-clean" and report["false_alarms"] == 0 and run["steps"] == 40
+    assert report["mode"] == "training-clean" and report["false_alarms"] == 0 and run["steps"] == 25
     for screen in run["screens"].values():
         assert screen["trips"] == len(screen["trip_steps"]) == sum(screen["trip_phases"].values())
         assert screen["verdicts"]["miss"] == screen["trips"] and screen["detections"] == 0  # a clean run: misses only
-        assert screen["reexecuted_rate"] == screen["trips"] / 40
+        assert screen["reexecuted_rate"] == screen["trips"] / 25 and len(screen["sigmas"]) == 25
     assert run["last_loss"] < run["first_loss"]  # it trains
 
 
 @pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_detect_training_horizon_reports_drift_and_when_a_stuck_bit_was_caught(tmp_path: Path) -> None:
-    report = bench(tmp_path, "detect", "--training", "--horizon", "6", "--models", "toy:32/32/4/1/3e-3",
+    report = bench(tmp_path, "detect", "--training", "--horizon", "3", "--models", "toy:32/32/4/1/3e-3",
                    "--horizon-bits", "26")
     (run,) = report["runs"]
-    assert report["mode"] == "training-horizon" and run["bit"] == 26 and report["settings"]["steps"] == 6
+    assert report["mode"] == "training-horizon" and run["bit"] == 26 and report["settings"]["steps"] == 3
     assert run["samplers"]["Full()"]["first_caught"] == 0  # the top exponent bit stuck: caught at its first step
     assert run["samplers"]["Full()"]["steps_caught"] >= 1
     assert run["faulty_loss"] != run["clean_loss"] and run["drift"] == run["faulty_loss"] - run["clean_loss"]
