@@ -1,6 +1,7 @@
 """The fault models of ``GemmFault.kind``: each corrupts what it says, and a drilled model
 under ``protect()`` detects each where the GEMM screen can see it."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -165,8 +166,7 @@ VISIBLE = {
 
 @pytest.mark.parametrize("kind", list(VISIBLE))
 def test_a_drilled_model_under_protect_detects_each_fault_model_at_its_site(kind: str) -> None:
-    fault = VISIBLE[kind]
-    fault.site, fault.phase, fault.step = "blocks.0.fc1", "forward", 2
+    fault = dataclasses.replace(VISIBLE[kind], site="blocks.0.fc1", phase="forward", step=2)
     model = make_model(layers=1)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     policy = sdc_guard.Policy(on_detection="log", on_persistent="log", on_repeated="log")
@@ -179,3 +179,18 @@ def test_a_drilled_model_under_protect_detects_each_fault_model_at_its_site(kind
     later = [j for j in injector.injections if j.step == 3]
     assert bool(later) == fault.sticky  # a stuck bit stays; the others were one upset
     assert outcomes[3].detected == any(j.changed for j in later)  # (a bit already 1 is stuck unseen)
+
+
+@pytest.mark.slow  # torch.compile: seconds per model
+@pytest.mark.parametrize("kind", ["zero_tile", "swap_rows", "rows"])
+def test_fault_models_drill_the_compiled_route_too(kind: str, fresh_dynamo) -> None:
+    fault = dataclasses.replace(VISIBLE[kind], site="blocks.0.fc1", phase="forward", step=1)
+    model = make_model(layers=1)
+    compiled = torch.compile(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    policy = sdc_guard.Policy(on_detection="log", on_persistent="log", on_repeated="log")
+    with sdc_guard.drill(model, fault, seed=5) as injector, sdc_guard.protect(model, policy=policy) as guard:
+        outcomes = [guard.optimizer_step(opt, closure_for(compiled, opt, step)) for step in range(3)]
+    assert [o.detected for o in outcomes] == [False, True, False]
+    assert [(j.kind, j.site, j.step) for j in injector.injections] == [(kind, "blocks.0.fc1", 1)]
+    assert {d.site for d in outcomes[1].detections} == {"blocks.0.fc1"}
