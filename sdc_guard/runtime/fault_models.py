@@ -111,8 +111,8 @@ def _region(shape: torch.Size, kind: str, element: tuple[int, ...], tile: tuple[
     rows, cols = tile_bounds(shape, element, tile)
     batch = element[:-2] if len(shape) >= 2 else ()
     if len(shape) < 2:  # a vector is one row: its "rows" pattern is the element itself
-        return {"rows": element, "columns": (slice(cols.start + (element[-1] - cols.start) % period, cols.stop, period),),
-                "zero_tile": (cols,)}.get(kind, element)
+        every = slice(cols.start + (element[-1] - cols.start) % period, cols.stop, period)
+        return {"rows": element, "columns": (every,), "zero_tile": (cols,)}.get(kind, element)
     r, c = element[-2], element[-1]
     if kind == "rows":
         return (*batch, slice(rows.start + (r - rows.start) % period, rows.stop, period), c)

@@ -69,8 +69,9 @@ class Screened:
     does), or exceeds ``factor`` times its typical norm (a spike, as Megatron's
     ``is_unexpectedly_large``, whatever the spread: a ceiling for the noisiest layers), or
     when the norm of all gradients falls under ``COLLAPSE`` (a hundredth) of the typical
-    norms' (a collapse: clipping an overflowed total norm zeroes every gradient). One host synchronisation per step, none per
-    parameter; no dispatch mode and no GEMM check on the steps the screen passes.
+    norms' (a collapse: clipping an overflowed total norm zeroes every gradient). One
+    host synchronisation per step, none per parameter; no dispatch mode and no GEMM check
+    on the steps the screen passes.
 
     A tripped step is re-executed by the guard with every GEMM verified
     (``sdc_guard.respond.policy``): a corruption confirmed there is PERSISTENT; a clean
@@ -194,8 +195,8 @@ class Screened:
         change of scale widens the layer's spread and moves its mean, so that it trips
         once or twice, not at every step until a capped mean has caught up; a one-off
         outlier leaves the layer less sensitive while its spread decays back, as a layer
-        that just proved unpredictable should be), ``"transient"`` absorbs those of the clean re-execution's ``grads``; anything else
-        leaves the statistics as they were."""
+        that just proved unpredictable should be), ``"transient"`` absorbs those of the
+        clean re-execution's ``grads``; anything else leaves the statistics as they were."""
         if verdict not in SCREEN_VERDICTS:
             raise ValueError(f"verdict: expected one of {', '.join(SCREEN_VERDICTS)}, got {verdict!r}")
         pending, self._pending = self._pending, None

@@ -7,9 +7,9 @@ and bf16 autocast) for ``--steps`` steps with no fault, AdamW at the workload's 
 rate under the benches' schedule (``training_runs.default_schedule``: a linear warm-up
 over the first 10 %, a cosine decay, a 5x spike for 3 steps at 40 % and a 10x spike for
 one step at 70 %), three copies in lockstep from the same weights: unguarded, under
-``Screened()`` and under the previous screen's test ``Screened(sigmas=inf, factor=10)`` (one factor, no
-per-layer spread). Reported per run: the share of steps re-executed, when (warm-up,
-spikes, elsewhere), what the re-executions concluded (a clean run must give only
+``Screened()`` and under the previous screen's test ``Screened(sigmas=inf,
+factor=10)`` (one factor, no per-layer spread). Reported per run: the share of steps
+re-executed, when (warm-up, spikes, elsewhere), what the re-executions concluded (a clean run must give only
 misses: a detection on it would be a false alarm, and the exit status is then 1), the
 largest deviation a passing step reached (``StepReport.gradient_sigmas``: the headroom
 under ``sigmas``), and the cost: each screened copy's step time over the unguarded one's,
@@ -31,7 +31,8 @@ from .training_runs import Copy, Schedule, default_schedule, workloads
 #: workloads when ``--models`` is left at the fault bench's default
 MODELS = ("toy:64/64/8/2/3e-3", "toy:128/128/4/2/1e-2", "hf:llama", "hf:gpt2", "hf:qwen2", "hf:bert")
 STEPS = 300
-SCREENS = {"Screened()": Screened, "Screened(sigmas=inf, factor=10)": lambda: Screened(sigmas=math.inf, factor=10)}
+SCREENS = {"Screened()": Screened,
+           "Screened(sigmas=inf, factor=10)": lambda: Screened(sigmas=math.inf, factor=10)}
 
 
 def run(args: argparse.Namespace) -> Outcome:
@@ -126,8 +127,9 @@ def render(runs: list[dict[str, Any]], steps: int) -> str:
                      f"{100 * s['cost']:.1f}% ({100 * s['cost_median']:.1f}%)", f"{100 * s['guard_account']:.1f}%"])
     total = {n: sum(r["screens"][n]["trips"] for r in runs) for n in names}
     detections = sum(s["detections"] for r in runs for s in r["screens"].values())
-    lines = [f"clean training runs, {steps} steps each (AdamW, warm-up over 10 %, cosine decay, 5x spike for 3 steps at "
-             f"40 %, 10x spike at 70 %); re-executed: steps the screen tripped on, each re-run with every GEMM verified",
+    lines = [f"clean training runs, {steps} steps each (AdamW, warm-up over 10 %, cosine decay, 5x spike for 3 "
+             f"steps at 40 %, 10x spike at 70 %); re-executed: steps the screen tripped on, each re-run with every "
+             f"GEMM verified",
              table(headers, body, align="ll" + "r" * (len(headers) - 2)),
              "all runs: " + ", ".join(f"{n} re-executed {total[n]} of {steps * len(runs)} steps "
                                       f"({100 * total[n] / (steps * len(runs)):.2f} %)" for n in names)

@@ -9,9 +9,9 @@ top exponent bit, other exponent bits, mantissa; toggled), several bits of one e
 a bit stuck at one lane of every GEMM of the step, tile-aligned periodic rows or columns
 (every 8th, 16th or 32nd), a zeroed tile, two swapped rows, NaN, Inf; the GEMM drawn
 uniformly among the step's forward and backward GEMMs. Each sampler (``Full()``,
-``Budget(b)``, ``EveryN(n)``, ``Screened()``, the previous screen's test ``Screened(sigmas=inf, factor=10)``
-that compares norms with one factor only, and ``Screened(Budget(b))``) trains its own copy
-of the model; at a trial step its copy runs the step once with the fault (through
+``Budget(b)``, ``EveryN(n)``, ``Screened()``, the previous screen's test
+``Screened(sigmas=inf, factor=10)`` that compares norms with one factor only, and
+``Screened(Budget(b))``) trains its own copy of the model; at a trial step its copy runs the step once with the fault (through
 ``Guard.optimizer_step``, the default policy except that a persistent fault skips the
 step instead of rolling back) and is then put back (model, optimizer,
 sampler) and runs the step clean, so that every copy follows the same clean trajectory
@@ -25,8 +25,9 @@ optimizer makes with the fault against the clean update from the same state,
 ``|faulty - clean| / |clean|`` over all parameters. More than 1 % is *harmful*, more than
 10 % *severe*. Beside it, the largest change the fault made to a parameter's gradient norm
 (against the clean step's): a fault that changes no norm by more than 5 % (the gradient
-screen's smallest spread) is out of reach of any statistic of the norms. For scale, every few trials the same state takes the next step's batch
-instead: how much an ordinary change of batch moves the update (reported as its median).
+screen's smallest spread) is out of reach of any statistic of the norms. For scale,
+every few trials the same state takes the next step's batch instead: how much an
+ordinary change of batch moves the update (reported as its median).
 
 ``--clean`` measures the other side of the screen, the clean steps it re-executes
 (``bench_detect_clean``); ``--horizon N`` a persistent low-magnitude fault over ``N``
