@@ -257,6 +257,7 @@ class Guard(CheckIntake):
             report.gradient_screen_tripped = screened.tripped
             report.gradient_ratio = screened.worst_ratio
             report.gradient_total_ratio = screened.total_ratio
+            report.gradient_sigmas = screened.worst_sigmas
             report.nonfinite_grads = screened.nonfinite
         self.reports.append(report)
         self.publish("observe_report", report)
