@@ -8,6 +8,7 @@
  * D / T. A row's D, T and verdict go through the same lane-wise operations whichever
  * lane, item or thread it lands in (batch invariance).
  */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -102,13 +103,20 @@ static int chk_rows(const chk_ctx *c, const scratch *w, int64_t rows, int64_t ro
                 vdpart bracket = mua * dsplat(fm[s]) + dsqrt(x * x + y * y) + sd * dsplat(fsp[s]);
                 vdpart t64 = floor + scale * bracket + round * pd(pld(w->rabs + q));
                 vpart csum = pld(w->csum + q);
-                /* C's own rounding, read from C (docs/ALGORITHM.md, "Reading C") */
-                if (c->cabs != 0.0) t64 = t64 + cabs * pd(pld(w->cabs + q));
-                if (c->csq != 0.0) t64 = t64 + csq * dsqrt(pd(pld(w->csq + q)));
-                if (c->ccoh != 0.0) t64 = t64 + ccoh * pd(pabs(csum));
+                /* C's own rounding, read from C (docs/ALGORITHM.md, "Reading C"; abft.c_round64) */
+                vdpart cterm = cabs * pd(pld(w->cabs + q));
+                if (c->csq != 0.0) {
+                    vpart sq = pld(w->csq + q);
+                    vdpart prob = csq * dsqrt(pd(sq)) + ccoh * pd(pabs(csum));
+                    for (int j = 0; j < PW; j++) /* where Q is normal: the smaller of the two */
+                        if (sq[j] >= FLT_MIN && sq[j] < INFINITY && prob[j] < cterm[j]) cterm[j] = prob[j];
+                } else if (c->ccoh != 0.0) {
+                    cterm = cterm + ccoh * pd(pabs(csum));
+                }
+                t64 = t64 + cterm;
                 vpart t = __builtin_convertvector(t64, vpart);
                 vpart d = pabs(csum - ref);
-                vpmask okv = (d <= t) & (d < inf);
+                vpmask okv = (d <= t) & (d < inf) & (pabs(t) < inf); /* T reads C: infinite only where C's sums are */
                 vpmask good = okv & (pabs(t) < inf);
                 vpart ratio = d / t;
                 /* lane-wise, no scalar writes into a vector that is read back whole */

@@ -340,10 +340,15 @@ def _check_kernel(
     spread_term = tl.sqrt(width) * tl.sqrt(var2) * tl.sqrt(v)
     threshold = (abs_alpha * (e_eff * (mean_term + cross_term + spread_term)) + width * floor
                  + a_round * rabs.to(tl.float64))
-    # C's own rounding, read from C (docs/ALGORITHM.md, "Reading C")
-    threshold = threshold + c_abs * c_abs_sum.to(tl.float64) + c_coh * tl.abs(c_sum).to(tl.float64)
+    # C's own rounding, read from C (docs/ALGORITHM.md, "Reading C"; abft.c_round64)
+    c_term = c_abs * c_abs_sum.to(tl.float64)
     if SQUARES:
-        threshold = threshold + c_sq * tl.sqrt(c_sq_sum.to(tl.float64))
+        prob = c_sq * tl.sqrt(c_sq_sum.to(tl.float64)) + c_coh * tl.abs(c_sum).to(tl.float64)
+        normal = (c_sq_sum >= 1.1754943508222875e-38) & (c_sq_sum < float("inf"))
+        c_term = tl.where(normal, tl.minimum(prob, c_term), c_term)
+    else:
+        c_term = c_term + c_coh * tl.abs(c_sum).to(tl.float64)
+    threshold = threshold + c_term
     inputs_bad = row_bad[:, None] | w_bad
     # sqrt(K (var + mu^2)) bounds the row's 2-norm (var bounds the true variance).
     row_norm = tl.sqrt(k_float * (var + mu64 * mu64))
@@ -356,7 +361,8 @@ def _check_kernel(
         bound = bound + bias_abs
     threshold = threshold.to(tl.float32)
     diff = tl.abs(c_sum - reference)
-    ok = diff <= threshold
+    # T reads C: infinite only where C's sums are; a finite D there is a suspect too
+    ok = (diff <= threshold) & (tl.abs(diff) < float("inf")) & (tl.abs(threshold) < float("inf"))
     overflow = ~(tl.abs(diff) < float("inf")) & ~inputs_bad & (bound >= limit)
 
     out = batch.to(tl.int64) * M * nseg + rows64[:, None] * nseg + segs[None, :]

@@ -281,3 +281,29 @@ def test_fp32_threshold_stays_finite_for_large_finite_inputs() -> None:
         np.testing.assert_allclose(as_f64(check.threshold), ref.threshold, rtol=T_RTOL, err_msg="T")
         np.testing.assert_array_equal(check.ok.numpy(), ref.ok, err_msg="OK bits")
     assert np.argwhere(~ref.ok).tolist() == [[0, 0]]
+
+
+@pytest.mark.parametrize("backend", __import__("sdc_guard").backends.available())
+@pytest.mark.parametrize("screen", SCREENS)
+def test_c_reading_terms_stay_in_range(screen: str, backend: str) -> None:
+    """The threshold reads C, so C's sums must not carry it out of range. bf16 C of
+    magnitude 1e20 (its fp32 squares overflow): the clean product passes, no segment
+    suspected (the tight screen falls back to the rigorous term there). A value of order
+    1e38 planted in a C of order 1 (a top exponent bit turned on): its squares overflow
+    and its absolute value dominates the rigorous term, yet ``D`` is 256 times that term:
+    caught at its row, on every backend, by both screens."""
+    import sdc_guard
+
+    gen = torch.Generator().manual_seed(21)
+    a = torch.randn(16, 256, generator=gen).bfloat16()
+    b = torch.randn(256, 512, generator=gen).bfloat16()
+    huge = (a.float() * 1e10).bfloat16()
+    v = sdc_guard.verify_matmul(huge, b * 1e9, (huge.float() @ (b * 1e9).float()).bfloat16(), screen=screen,
+                                backend=backend)
+    assert v.kind == "ok" and not bool(v.screen_flags.any()), (v.kind, v.ratio)
+    c = a @ b
+    bad = c.clone()
+    bad[5, 100] = 3e37
+    bad[9, 300] = -1e38
+    v = sdc_guard.verify_matmul(a, b, bad, screen=screen, backend=backend)
+    assert v.kind == "sdc" and torch.argwhere(v.flags).tolist() == [[5, 0], [9, 1]]

@@ -310,20 +310,30 @@ def threshold64(mu: Tensor, hi: Tensor, lo: Tensor, rabs: Tensor, ws: WeightSide
         t.add_(bias_abs.double(), alpha=bias_rounding(c_dtype))
     if c_abs or c_sq or c_coh:
         assert csums is not None, "threshold64: the screen reads C, csums is required"
-        if c_abs:
-            t.add_(csums.abs.double(), alpha=c_abs)
-        if c_sq:
-            assert csums.sq is not None, "threshold64: the tight screen needs the sums of squares"
-            t.add_(csums.sq.double().sqrt_(), alpha=c_sq)
-        if c_coh:
-            t.add_(csums.total.double().abs_(), alpha=c_coh)
+        t.add_(c_round64(csums, c_abs, c_sq, c_coh))
     return t
+
+
+def c_round64(csums: CSums, c_abs: float, c_sq: float, c_coh: float) -> Tensor:
+    """C's rounding term (fp64) from C's sums (``precision.ScreenTerms``): ``c_abs sum |r C|``,
+    or with ``c_sq`` its minimum with ``c_sq sqrt(Q) + c_coh |sum r C|`` where the fp32 sum of
+    squares ``Q`` is a normal number (elsewhere C's squares left fp32's range, and the
+    rigorous term alone serves)."""
+    rigorous = csums.abs.double() * c_abs
+    if not c_sq:
+        return rigorous.add_(csums.total.double().abs_(), alpha=c_coh) if c_coh else rigorous
+    assert csums.sq is not None, "c_round64: the tight screen needs the sums of squares"
+    q = csums.sq
+    normal = (q >= torch.finfo(torch.float32).tiny) & (q < float("inf"))
+    prob = q.double().sqrt_().mul_(c_sq).add_(csums.total.double().abs_(), alpha=c_coh)
+    return torch.where(normal, torch.minimum(prob, rigorous), rigorous)
 
 
 def to_threshold32(t: Tensor) -> Tensor:
     """``T`` as fp32 for comparison with the fp32 ``D`` (rounded to nearest). A T past
-    fp32's range becomes inf: every finite D passes there, as nothing the fp32 checksum
-    sees can be told from rounding at that scale."""
+    fp32's range becomes inf, and an infinite T is not a pass: it reads C, so a corrupted
+    C whose sums leave fp32's range must not pass with it (the confirmation settles the
+    segment instead)."""
     return t.float()
 
 
@@ -456,7 +466,7 @@ def vabft_check(
         if float(lowest) >= 0.0 and math.isfinite(float(highest)):
             none = torch.zeros(ok.shape, dtype=torch.bool, device=c.device)  # read-only, like every mask
             return AbftCheck(ok, none, none, diff, threshold, clear=True)
-    ok &= torch.isfinite(diff)
+    ok &= torch.isfinite(diff) & torch.isfinite(threshold)  # T reads C: infinite only where C's sums are
     return explain_failures(ok, diff, threshold, k, mu, hi, lo, ws, alpha, c.dtype, bias_sum, bias_abs)
 
 

@@ -208,6 +208,10 @@ class ScreenTerms:
     the backstop for operands whose accumulation the bracket underestimates.
     ``bounded``: share of the self-bounded ``u_C / (1 - u_C) sum |r C|``; ``sigmas``: of the
     probabilistic ``u_C sqrt(sum (r C)^2 / 3)``; ``coherent``: share of ``u_C |sum r C|``.
+    With ``sigmas``, C's rounding term is ``min(c_sq sqrt(Q) + c_coh |sum r C|, c_abs sum |r C|)``,
+    ``Q = sum (r C)^2`` in fp32, and the rigorous ``c_abs sum |r C|`` alone where ``Q`` is not
+    a normal fp32 number (C's squares left fp32's range): the minimum of a rigorous bound
+    and a statistical one never exceeds the rigorous one.
     """
 
     acc: float = UNIT_ROUNDOFF[torch.float32]
@@ -242,7 +246,7 @@ def screen_terms(screen: str, dtype: torch.dtype, device: torch.device) -> Scree
     acc = max(model.roundoff, UNIT_ROUNDOFF[dtype] if model.reduced_splits else 0.0)
     if check_screen(screen) == "default":
         return ScreenTerms(acc)
-    return ScreenTerms(acc, bounded=0.0, sigmas=TIGHT_SIGMAS, coherent=1.0)
+    return ScreenTerms(acc, bounded=1.0, sigmas=TIGHT_SIGMAS, coherent=1.0)
 
 
 def check_screen(screen: object) -> str:
