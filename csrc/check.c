@@ -104,7 +104,8 @@ static int chk_rows(const chk_ctx *c, const scratch *w, int64_t rows, int64_t ro
                 vdpart t64 = floor + scale * bracket + round * pd(pld(w->rabs + q));
                 vpart csum = pld(w->csum + q);
                 /* C's own rounding, read from C (docs/ALGORITHM.md, "Reading C"; abft.c_round64) */
-                vdpart cterm = cabs * pd(pld(w->cabs + q));
+                vdpart cterm = dsplat(0.0);
+                if (c->cabs != 0.0) cterm = cabs * pd(pld(w->cabs + q)); /* w->cabs is filled only then */
                 if (c->csq != 0.0) {
                     vpart sq = pld(w->csq + q);
                     vdpart prob = csq * dsqrt(pd(sq)) + ccoh * pd(pabs(csum));

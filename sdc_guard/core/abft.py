@@ -4,13 +4,15 @@ This module is the reference every backend is compared against. It computes, for
 ``C = alpha * A @ B + beta * bias`` and every (row, 256-column segment):
 
 - ``D``: the checksum difference ``|sum r*C - alpha * A @ Br - beta * sum r*bias|`` in fp32;
-- ``T``: the threshold, from A and B only (never from C, so a corrupted C cannot move its
-  own threshold): the variance-adaptive V-ABFT bracket times ``e_eff`` (accumulation
-  error), plus ``u_C |alpha| (|A| @ |B|r)`` (C's own rounding, which follows C's magnitude
-  where the bracket's independence model does not: sparse rows, mean-shifted columns),
-  plus the bias's rounding and an underflow floor. The bracket is evaluated in fp64 from
-  statistics that are never squared in fp32, so no finite input underflows or overflows
-  it and a power-of-two scaling of A (and C) scales D and T exactly;
+- ``T``: the threshold: the variance-adaptive V-ABFT bracket times ``e_eff`` (accumulation
+  error, at the device's precision), plus ``u_acc |alpha| (|A| @ |B|r)`` (one accumulator
+  rounding of the worst-case magnitude, which follows C where the bracket's independence
+  model does not: sparse rows, mean-shifted columns), plus C's own rounding read from C
+  (``u_C / (1 - u_C) sum |r C|``: rigorous, and a corrupted element raises it by only
+  ``u_C`` of its own error, so C cannot hide behind it; docs/ALGORITHM.md, "Reading C"),
+  plus the bias's fp32 arithmetic and an underflow floor. The bracket is evaluated in fp64
+  from statistics that are never squared in fp32, so no finite input underflows or
+  overflows it and a power-of-two scaling of A (and C) scales D and T exactly;
 - which segments cannot be judged (non-finite inputs) and which non-finite results may be
   a legitimate overflow (fp16 AMP overflows are routine; GradScaler handles them).
 
@@ -244,7 +246,7 @@ def effective_e_max(e_max: float, k: int, c_dtype: torch.dtype | None = None) ->
     """``e_eff``: the NPU operator's scaling of ``e_max`` with ``K``, ``e_max * 6 * sqrt(K / 1024)``.
 
     It models accumulation error, which grows with ``K``. (C's own final rounding, which
-    does not shrink with ``K``, has its own term in the threshold: ``u_C |A| @ |B|r``.)
+    does not shrink with ``K``, has its own term in the threshold, read from C.)
     ``c_dtype`` is accepted for the callers of the earlier signature and not used.
 
     >>> effective_e_max(1e-3, 1024)

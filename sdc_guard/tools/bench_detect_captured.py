@@ -117,6 +117,25 @@ class DtypeResult:
     segments: int = 0
     suspects: dict[str, int] = field(default_factory=dict)
     confirmed: dict[str, int] = field(default_factory=dict)
+    #: D / T of every judged clean segment, per screen (the tail of the statistical terms)
+    ratios: dict[str, list[Tensor]] = field(default_factory=dict)
+
+
+#: quantiles of the clean D / T reported per screen
+QUANTILES = (0.5, 0.99, 0.999, 0.9999)
+
+
+def clean_ratios(g: CapturedGemm, screen: str) -> Tensor:
+    """``D / T`` of the clean segments of ``g`` whose inputs are finite (fp32, flat), from
+    the request the public call builds (``earlier_request`` for the earlier screens)."""
+    from ..verify import make_request
+
+    req = (make_request(g.a, g.b, g.out, bias=g.bias, alpha=g.alpha, beta=g.beta, screen=screen)
+           if screen in PUBLIC else earlier_request(g, g.out, screen))
+    check = backends.select(req).check(req)
+    ratio = check.ratio
+    assert ratio is not None
+    return ratio[~check.inputs_bad].flatten().float()
 
 
 def trial(g: CapturedGemm, r: float, screens: list[str], rows: int, gen: torch.Generator,
@@ -146,6 +165,16 @@ def trial(g: CapturedGemm, r: float, screens: list[str], rows: int, gen: torch.G
         tally.trials += int(changed.sum())
         tally.caught += int(hit.sum())
         tally.false_alarms += int(sdc.sum()) - int(sdc[picked, cols // SEGMENT].sum())
+
+
+def _quantiles(parts: list[Tensor]) -> list[float]:
+    """``QUANTILES`` and the maximum of the concatenated ``parts`` (nan when empty)."""
+    if not parts:
+        return [float("nan")] * (len(QUANTILES) + 1)
+    x = torch.cat(parts).nan_to_num(nan=float("inf")).double()
+    x = x.sort().values
+    picks = [float(x[min(x.numel() - 1, int(q * x.numel()))]) for q in QUANTILES]
+    return picks + [float(x[-1])]
 
 
 def run(args: argparse.Namespace, synthetic_magnitudes: tuple[float, ...]) -> Outcome:
@@ -178,6 +207,7 @@ def run(args: argparse.Namespace, synthetic_magnitudes: tuple[float, ...]) -> Ou
                     res.segments += flags.numel() if screen == screens[0] else 0
                     res.suspects[screen] = res.suspects.get(screen, 0) + int(flags.sum())
                     res.confirmed[screen] = res.confirmed.get(screen, 0) + int(sdc.sum())
+                    res.ratios.setdefault(screen, []).append(clean_ratios(g, screen))
                 for r in magnitudes:
                     trial(g, r, screens, rows, gen, res)
             progress.step(f"{name} {precision}", f"{len(gemms)} GEMMs")
@@ -191,8 +221,10 @@ def run(args: argparse.Namespace, synthetic_magnitudes: tuple[float, ...]) -> Ou
         for s in screens:
             alarms = res.confirmed.get(s, 0) + sum(t.false_alarms for (sc, _), t in res.by.items() if sc == s)
             rate = res.suspects.get(s, 0) / res.segments if res.segments else 0.0
+            qs = _quantiles(res.ratios.get(s, []))
             lines.append(f"  {precision} {s}: clean suspects {res.suspects.get(s, 0)} of {res.segments} segments "
-                         f"({rate:.2g} per segment), confirmed false alarms {alarms}")
+                         f"({rate:.2g} per segment), confirmed false alarms {alarms}; clean D/T "
+                         + ", ".join(f"p{100 * q:g} {v:.3g}" for q, v in zip((*QUANTILES, 1.0), qs)))
         lines.append("")
     print("\n".join(lines))
     payload = {"command": "detect", "mode": "captured", "machine": machine(torch.device("cpu")),
@@ -200,6 +232,9 @@ def run(args: argparse.Namespace, synthetic_magnitudes: tuple[float, ...]) -> Ou
                             "capture_steps": steps, "magnitudes": magnitudes, "seed": args.seed},
                "results": {p: {"gemms": r.gemms, "segments": r.segments, "suspects": r.suspects,
                                "confirmed": r.confirmed,
+                               "clean_ratio_quantiles": {s: dict(zip(("p50", "p99", "p99.9", "p99.99", "max"),
+                                                                     _quantiles(r.ratios.get(s, []))))
+                                                         for s in screens},
                                "rates": {f"{s} {m:g}": {"trials": t.trials, "caught": t.caught,
                                                         "false_alarms": t.false_alarms}
                                          for (s, m), t in r.by.items()}} for p, r in results.items()},
