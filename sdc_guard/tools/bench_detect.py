@@ -169,7 +169,8 @@ def run_dtype(dtype: torch.dtype, screen: str, args: argparse.Namespace, device:
     summary["clean_segments"] = clean_segments
     summary["screen_misses"] = clean_suspects - clean_confirmed
     summary["miss_rate"] = (clean_suspects - clean_confirmed) / clean_segments if clean_segments else 0.0
-    return {"dtype": SHORT_NAME[dtype], "screen": screen, "e_max": e_max, "rounding": rounding, "by_bit": by_bit,
+    terms = {"acc": rounding.acc, "bounded": rounding.bounded, "sigmas": rounding.sigmas, "coherent": rounding.coherent}
+    return {"dtype": SHORT_NAME[dtype], "screen": screen, "e_max": e_max, "terms": terms, "by_bit": by_bit,
             "by_magnitude": by_magnitude, "summary": summary}
 
 
@@ -209,7 +210,9 @@ def render(results: list[dict[str, Any]]) -> str:
             body.append([bit, rows[bit]["field"], _rate(on), _rate(off),
                          f"{on['median_rel_error']:.2g}" if on and on["trials"] else "-",
                          f"{off['median_rel_error']:.2g}" if off and off["trials"] else "-"])
-        lines += [f"{res['dtype']}, {res['screen']} screen (e_max {res['e_max']:.3g}, rounding term x{res['rounding']:g}):"
+        t = res["terms"]
+        c_term = f"min({t['sigmas']:g} sigma + coherent, rigorous)" if t["sigmas"] else "rigorous"
+        lines += [f"{res['dtype']}, {res['screen']} screen (e_max {res['e_max']:.3g}, C's rounding {c_term}):"
                   " detection by flipped bit of one element of C",
                   table(["bit", "field", "0->1", "1->0", "|err|/rms 0->1", "|err|/rms 1->0"], body,
                         align="rlrrrr"), ""]
