@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .. import backends
 from ..backends import Backend, GemmRequest
-from ..core.precision import SUPPORTED_DTYPES, resolve_screen
+from ..core.precision import SUPPORTED_DTYPES, ScreenTerms, resolve_screen
 from .cache import WeightCache
 from .ops import Gemm
 
@@ -30,7 +30,7 @@ class Checker:
         self.backend = backend
         self.cache = cache
         self._backend_choice: dict[tuple, Backend] = {}
-        self._e_max_choice: dict[tuple, tuple[float, float]] = {}
+        self._e_max_choice: dict[tuple, tuple[float, ScreenTerms]] = {}
 
     def verify(self, gemm: Gemm) -> tuple[Tensor | None, Tensor | list[float]]:
         key = (gemm.a.device, gemm.a.dtype)
