@@ -15,7 +15,9 @@ from .core.comp_row import decode_comp_row, encode_comp_row
 from .runtime.guard import Guard, protect
 from .runtime.report import Detection, StepReport
 from .runtime.inject import GemmFault, drill, flip_parameter_bit
+from .runtime.collective_faults import CollectiveFault
 from .respond.policy import (
+    EXIT_COLLECTIVE,
     EXIT_NONDETERMINISTIC,
     EXIT_PERSISTENT,
     EXIT_TRANSIENT,
@@ -69,6 +71,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "SDCGuard",
+    "CollectiveFault",
+    "EXIT_COLLECTIVE",
     "EXIT_NONDETERMINISTIC",
     "EXIT_PERSISTENT",
     "EXIT_TRANSIENT",

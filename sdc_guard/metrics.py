@@ -30,6 +30,10 @@ name                                           type       labels besides ``rank`
 ``sdc_guard_gradient_screen_misses_total``     counter    trips whose re-execution was clean
                                                           and identical (not acted on)
 ``sdc_guard_gradient_screen_ratio``            gauge      last step's worst norm/reference
+``sdc_guard_collective_checks_total``          counter    op: collectives checked (first runs)
+``sdc_guard_collective_detections_total``      counter    op, link ("src->dst"; "*->dst" for
+                                                          a reduction: every rank sends)
+``sdc_guard_collectives_unchecked_total``      counter    op: collectives not checked, with why
 ``sdc_guard_verify_seconds_total``             counter    verification time, all runs
 ``sdc_guard_guard_seconds_total``              counter    all the guard added, all runs
 ``sdc_guard_calibration_seconds_total``        counter    the part calibration replays took
@@ -61,6 +65,11 @@ Choices, and why:
 - Detections are counted on the rank(s) whose GEMMs flagged (``outcome.flagged_ranks``)
   or whose gradient screen tripped (``outcome.tripped_ranks``) into a confirmed detection;
   responses on every rank, since every rank takes the response in lockstep.
+- Collectives (``runtime/collective_checks.py``) are counted by op; a detection by op and
+  link, on the receiving rank, the first ``max_sites`` distinct links by name and the rest
+  as ``"other"``: an all-gather's link names the sending rank (``"3->0"``), a reduction's
+  does not (``"*->0"``: every rank of the group sent into it). A collective detection
+  also counts as a flagged step (``SDCDetected``), not as a flagged GEMM.
 - A rank moves to another node when a job restarts; a device does not. So detections are
   also counted by device: ``sdc_guard_device_detections_total`` carries the node and
   device (``respond.identity``: the device's UUID where the runtime tells it, else its
@@ -97,6 +106,8 @@ from .respond import distributed
 from .respond.identity import local_identity
 from .runtime.report import StepReport
 from .respond.policy import ACTIONS, CLASSIFICATIONS, StepOutcome
+from .runtime.collective_ops import OPS as COLLECTIVE_OPS
+from .runtime.report import Detection
 
 #: Port of ``serve()`` for local rank 0; local rank ``r`` gets ``DEFAULT_PORT + r``.
 DEFAULT_PORT = 9464
@@ -215,6 +226,7 @@ class GuardMetrics:
         self._push_target: dict[str, Any] | None = None
         self._warned: set[str] = set()
         self._sites: set[str] = set()
+        self._links: set[str] = set()
         self._device = device
         self._device_series: Any = None  #: this process's child of the device counter, once resolved
         self._create()
@@ -274,6 +286,16 @@ class GuardMetrics:
                                       "interception; part of sdc_guard_guard_seconds_total).").labels(rank=r)
         self._step_seconds = c("sdc_guard_step_seconds",
                                "Guarded step wall time, re-executions included.").labels(rank=r)
+        self._collective_checks = c("sdc_guard_collective_checks",
+                                    "Collectives whose result this rank checked against what was sent "
+                                    "(first runs), by op.", "op")
+        self._collective_detections = c("sdc_guard_collective_detections",
+                                        "Collectives whose result on this rank was not what was sent (first runs), "
+                                        "by op and link ('src->dst'; '*->dst' for a reduction).", "op", "link")
+        self._collectives_unchecked = c("sdc_guard_collectives_unchecked",
+                                        "Collectives seen but not checked (first runs), by 'op[reason]'.", "op")
+        for name in COLLECTIVE_OPS:
+            self._collective_checks.labels(rank=r, op=name)
         for name in CLASSIFICATIONS:  # start at 0: increase() must see the first one
             self._detections.labels(rank=r, classification=name)
         for name in ACTIONS:
@@ -344,12 +366,20 @@ class GuardMetrics:
             self._gemms_seen.labels(**labels).inc(counts.seen)
             self._gemms_verified.labels(**labels).inc(counts.verified)
             self._gemms_flagged.labels(**labels).inc(counts.flagged)
+        for op, count in report.collective_checks_by_op.items():
+            self._collective_checks.labels(rank=r, op=op).inc(count)
+        for op, count in report.collectives_unchecked.items():
+            self._collectives_unchecked.labels(rank=r, op=op).inc(count)
         if report.flagged:
             self._flagged_steps.inc()
             self._last_detection_step.set(report.step)
             self._last_detection_time.set(now)
             for detection in report.detections:
-                self._site_flagged.labels(rank=r, site=self._site_label(detection.site)).inc()
+                if detection.kind == "collective":
+                    for link in self._link_labels(detection):
+                        self._collective_detections.labels(rank=r, op=detection.op, link=link).inc()
+                else:
+                    self._site_flagged.labels(rank=r, site=self._site_label(detection.site)).inc()
 
     def observe_outcome(self, outcome: StepOutcome) -> None:
         """Count the response to one guarded optimizer step (nothing when it was clean).
@@ -370,6 +400,19 @@ class GuardMetrics:
             self._responses.labels(rank=r, action=outcome.action).inc()
         if outcome.action in ("exit", "raise") and self._push_target is not None:
             self.push(**self._push_target)
+
+    def _link_labels(self, detection: Detection) -> list[str]:
+        """One link per sender of an all-gather's bad shards; ``"*->dst"`` for a reduction
+        (or the exchange), whose every rank sent into the result."""
+        receiver = detection.receiver if detection.receiver is not None else detection.rank
+        senders = [str(s) for s in detection.senders] if detection.op == "all_gather" else ["*"]
+        labels = []
+        for sender in senders or ["*"]:
+            link = f"{sender}->{receiver}"
+            if link not in self._links and len(self._links) < self.max_sites:
+                self._links.add(link)
+            labels.append(link if link in self._links else OTHER_SITE)
+        return labels
 
     def _device_counter(self) -> Any:
         """This process's child of ``sdc_guard_device_detections_total`` (created at 0 the

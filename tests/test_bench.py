@@ -392,3 +392,20 @@ def test_train_compiled(tmp_path: Path) -> None:
     assert rows[("compiled", "baseline")]["overhead_cpu"] == 0.0
     assert set(report["targets"]) == {"full_compiled_le_12pct", "budget_compiled_le_5pct"} and report["settings"]["ac"]
     assert all({"measured", "measured_cpu", "met", "met_cpu"} <= set(t) for t in report["targets"].values())
+
+
+@pytest.mark.slow  # integration-heavy (two gloo processes per configuration): see CONTRIBUTING.md
+def test_collectives(tmp_path: Path) -> None:
+    report = bench(tmp_path, "collectives", "--steps", "2", "--warmup", "0", "--d-model", "32", "--layers", "1",
+                   "--heads", "2", "--ctx", "16", "--vocab", "32", "--batch", "2")
+    results = {r["kind"]: r for r in report["results"]}
+    assert list(results) == ["ddp", "fsdp"] and report["world_size"] == 2
+    for kind, r in results.items():
+        assert r["detections"] == 0 and r["checks_per_step"] > 0, kind  # clean runs, checked
+        assert set(r["step_ms"]) == {"baseline", "collectives off", "collectives on"}
+        assert len(r["times_ms"]["baseline"]) == 2 and r["exchange_alone_ms"] > 0
+    # DDP: the bucket all-reduces; FSDP2: all-gathers and reduce-scatters, more numbers exchanged
+    assert results["fsdp"]["checks_per_step"] > results["ddp"]["checks_per_step"]
+    assert results["ddp"]["exchanged"] > 4 and results["fsdp"]["exchanged"] > 4
+    assert cli.main(["bench", "collectives", "--kinds", "tp"]) == 2
+    assert cli.main(["bench", "collectives", "--world-size", "1"]) == 2

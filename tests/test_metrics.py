@@ -342,8 +342,8 @@ def test_promtool_checks_the_config_and_rules_and_runs_the_rule_tests() -> None:
     tested = {a for t in tests for a in re.findall(r"alertname: (\w+)", (PROM_DIR / t).read_text())}
     defined = set(re.findall(r"- alert: (\w+)", (PROM_DIR / "alerts.yml").read_text()))
     assert {"SDCDetected", "SDCPersistentFault", "SDCRepeatedOnRank", "SDCGuardOverheadAboveBudget",
-            "SDCGuardNotReporting", "SDCGuardAbsent", "SDCGuardScreenMissesHigh", "SDCSuspectDevice"} == \
-        defined == tested
+            "SDCGuardNotReporting", "SDCGuardAbsent", "SDCGuardScreenMissesHigh", "SDCSuspectDevice",
+            "SDCCollectiveLinkRepeated"} == defined == tested
 
 
 def exported_names(registry: CollectorRegistry) -> set[str]:
@@ -484,7 +484,8 @@ def test_real_prometheus_scrapes_a_training_run_and_fires_the_sdc_alert(tmp_path
         assert firing == {"SDCDetected"}  # not persistent, not repeated, not absent
 
         rules = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
-        assert len(rules) == 8 and all(r["health"] == "ok" for r in rules), rules
+        defined = re.findall(r"- alert: (\w+)", (PROM_DIR / "alerts.yml").read_text())
+        assert len(rules) == len(defined) and all(r["health"] == "ok" for r in rules), rules
         for expr in dashboard_queries():  # the dashboard's queries are valid PromQL here
             prometheus.api("query", query=expr)
     finally:

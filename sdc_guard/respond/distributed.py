@@ -10,6 +10,9 @@ and each read from disk, so that every rank agrees on what exists and on what fa
 Why lockstep matters: under DDP the backward pass all-reduces gradients, so a re-run on
 one rank alone would hang the others, and a rollback on one rank alone would leave the
 replicas diverged.
+
+These collectives are the guard's own: they run with every dispatch mode set aside, so
+that neither the guard's collective checks nor a drill's faults take them for the step's.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 def is_distributed() -> bool:
@@ -52,7 +56,8 @@ def flagged_ranks(flagged: bool) -> list[int]:
         return [0] if flagged else []
     mine = torch.tensor([1 if flagged else 0], dtype=torch.int32, device=_device())
     everyone = [torch.zeros_like(mine) for _ in range(world_size())]
-    dist.all_gather(everyone, mine)
+    with _disable_current_modes():
+        dist.all_gather(everyone, mine)
     return [r for r, t in enumerate(everyone) if int(t.item())]
 
 
@@ -67,7 +72,8 @@ def step_flags(flagged: bool, tripped: bool) -> tuple[list[int], list[int]]:
         return ([0] if flagged else []), ([0] if tripped else [])
     mine = torch.tensor([int(flagged), int(tripped)], dtype=torch.int32, device=_device())
     everyone = [torch.zeros_like(mine) for _ in range(world_size())]
-    dist.all_gather(everyone, mine)
+    with _disable_current_modes():
+        dist.all_gather(everyone, mine)
     pairs = [t.tolist() for t in everyone]
     return [r for r, p in enumerate(pairs) if p[0]], [r for r, p in enumerate(pairs) if p[1]]
 
@@ -81,7 +87,8 @@ def agree_max(value: int) -> int:
     if not is_distributed():
         return value
     t = torch.tensor([value], dtype=torch.int64, device=_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    with _disable_current_modes():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
 

@@ -8,6 +8,10 @@ Exit codes, for the scheduler:
 - ``EXIT_PERSISTENT`` (17): a fault reproduced on re-execution; replace this node.
 - ``EXIT_NONDETERMINISTIC`` (18): re-executions disagreed; suspect the hardware or a
   non-deterministic kernel; investigate before reusing the node.
+- ``EXIT_COLLECTIVE`` (19): a persistent fault in what the collectives delivered (every
+  detection of the step was of kind ``"collective"``): suspect the link between the
+  sending and receiving ranks the exit report names (NIC, cable, switch port), not the
+  node's compute.
 
 The report is strict JSON (RFC 8259): a non-finite number, such as the D/T ratio of a
 GEMM whose output is infinite, is written as the string ``"inf"``, ``"-inf"`` or
@@ -32,6 +36,7 @@ if TYPE_CHECKING:
 EXIT_TRANSIENT = 16
 EXIT_PERSISTENT = 17
 EXIT_NONDETERMINISTIC = 18  #: what each code asks of the scheduler: ``exit_codes.EXIT_CODES``
+EXIT_COLLECTIVE = 19
 
 
 class Triage(enum.IntEnum):

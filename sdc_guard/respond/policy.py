@@ -36,6 +36,9 @@ Exit codes, for the scheduler:
 - ``EXIT_PERSISTENT`` (17): a fault reproduced on re-execution; replace this node.
 - ``EXIT_NONDETERMINISTIC`` (18): re-executions disagreed; suspect the hardware or a
   non-deterministic kernel; investigate before reusing the node.
+- ``EXIT_COLLECTIVE`` (19): a persistent fault whose every detection was in a collective
+  (``Detection.kind == "collective"``, on every rank): the link between the ranks the exit
+  report names, not a node's compute; check the interconnect before replacing a node.
 
 The exit code does not depend on the exit report: a report that cannot be written (a
 full disk, a path that is a file) is logged and the process still exits with its code.
@@ -57,12 +60,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .outcome import (CLASSIFICATIONS, EXIT_NONDETERMINISTIC, EXIT_PERSISTENT, EXIT_TRANSIENT, SDCError,
+from .outcome import (CLASSIFICATIONS, EXIT_COLLECTIVE, EXIT_NONDETERMINISTIC, EXIT_PERSISTENT, EXIT_TRANSIENT, SDCError,
                       SDCExit, StepOutcome, Triage, strict_json, write_exit_report)
 from .rerun import check_state_functions
 from .responder import Responder
 
-__all__ = ["ACTIONS", "CLASSIFICATIONS", "EXIT_NONDETERMINISTIC", "EXIT_PERSISTENT", "EXIT_TRANSIENT", "Policy",
+__all__ = ["ACTIONS", "CLASSIFICATIONS", "EXIT_COLLECTIVE", "EXIT_NONDETERMINISTIC", "EXIT_PERSISTENT", "EXIT_TRANSIENT", "Policy",
            "Responder", "SDCError", "SDCExit", "StepOutcome", "Triage", "strict_json", "write_exit_report"]
 
 ACTIONS = ("log", "raise", "skip", "recompute", "rollback", "exit")

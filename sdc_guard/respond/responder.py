@@ -17,7 +17,7 @@ from torch import Tensor
 from . import distributed
 from .exit_codes import code_for
 from .identity import gather_identities, local_identity
-from .outcome import SDCError, SDCExit, StepOutcome, Triage, write_exit_report
+from .outcome import EXIT_COLLECTIVE, EXIT_PERSISTENT, SDCError, SDCExit, StepOutcome, Triage, write_exit_report
 from .rerun import StepState, grads_of
 from .snapshot import SnapshotStore
 
@@ -285,7 +285,10 @@ class Responder:
             self._exit(outcome)
 
     def _exit(self, outcome: StepOutcome) -> None:
-        code = outcome.exit_code = code_for(outcome.classification)
+        code = code_for(outcome.classification)
+        if code == EXIT_PERSISTENT and _only_collectives(outcome):
+            code = EXIT_COLLECTIVE  # the link, not the compute
+        outcome.exit_code = code
         directory = self.policy.exit_report_dir or os.environ.get(ENV_EXIT_REPORT_DIR) or None
         try:
             if directory is not None:
@@ -303,6 +306,15 @@ class Responder:
             pass
         raise SDCExit(code, outcome)
 
+
+
+def _only_collectives(outcome: StepOutcome) -> bool:
+    """Whether every rank's detections at this step were in collectives (one small
+    collective: all ranks exit with the same code)."""
+    kinds = {d.kind for d in outcome.detections}
+    mine = 0 if not kinds else (1 if kinds == {"collective"} else 2)
+    agreed = distributed.agree_max(mine)
+    return agreed == 1
 
 
 def _classify(original: frozenset, signatures: list[frozenset], rerun_grads: list) -> Triage:

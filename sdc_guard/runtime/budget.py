@@ -55,6 +55,9 @@ class Budget:
     (True, True)
     """
 
+    #: the sweeps follow this rank's own measured costs: ranks watch different steps
+    shared_schedule = False
+
     def __init__(self, max_overhead: float, *, window: int | None = None, smoothing: float = 0.3,
                  warmup: int = 3) -> None:
         if isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float)) or \

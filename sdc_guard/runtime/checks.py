@@ -93,7 +93,7 @@ def current_rank() -> int:
 
 def check_guard_arguments(model: Any, *, sampler: Any, e_max: Any, backend: Any, history: Any, cache_bytes: Any,
                           rank: Any, policy: Any, snapshots: Any, metrics: Any, stats: Any, compiled: Any,
-                          calibrate_every: Any = None) -> None:
+                          calibrate_every: Any = None, collectives: Any = True) -> None:
     """Raise ``TypeError`` / ``ValueError`` naming the first of ``protect()``'s arguments that
     is not what it takes (``screen`` is checked by ``core.precision.check_screen``)."""
     if not isinstance(model, nn.Module):
@@ -122,3 +122,6 @@ def check_guard_arguments(model: Any, *, sampler: Any, e_max: Any, backend: Any,
     if metrics is not None:
         check_metrics_sink(metrics)
     check_calibrate_every(calibrate_every)
+    if not isinstance(collectives, bool):
+        raise TypeError(f"collectives: expected a bool (check the collectives of each step under "
+                        f"torch.distributed), got {type(collectives).__name__} {collectives!r}")

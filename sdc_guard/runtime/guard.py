@@ -32,7 +32,7 @@ from .cache import WeightCache, persistent_parameters
 from .function_mode import is_compiled, note_compiled
 from .intake import CheckIntake, active_guards
 from .interception import Interception
-from .intercept import GemmInterceptor, SiteTracker, module_hook_seconds, round_trip_seconds
+from .intercept import GemmInterceptor, SiteTracker, current_phase, module_hook_seconds, round_trip_seconds
 from ..core.precision import check_screen
 from .ledger import StepLedger
 from .module_names import ModuleNames
@@ -45,6 +45,7 @@ from .sampling import Full, GradientScreen, Sampler, sampler_screens, sampler_wa
 from ..respond.snapshot import SnapshotStore
 from .stats import ScreenStats
 from .checker import Checker
+from .collective_checks import CollectiveChecks
 from .warn_once import warnings_of
 from .checks import MetricsSink, check_backend, check_guard_arguments, check_metrics_sink, current_rank  # noqa: F401  (also importable here)
 from .optimizer_steps import OptimizerSteps
@@ -76,10 +77,12 @@ class Guard(CheckIntake):
         compiled: bool | None = None,
         calibrate_every: int | None = DEFAULT_EVERY,
         events: Any = None,
+        collectives: bool = True,
     ) -> None:
         check_guard_arguments(model, sampler=sampler, e_max=e_max, backend=backend, history=history,
                               cache_bytes=cache_bytes, rank=rank, policy=policy, snapshots=snapshots,
-                              metrics=metrics, stats=stats, compiled=compiled, calibrate_every=calibrate_every)
+                              metrics=metrics, stats=stats, compiled=compiled, calibrate_every=calibrate_every,
+                              collectives=collectives)
         self.screen = check_screen(screen)
         #: the compiled route (docs/COMPILE.md): checks put into the compiled graphs, the
         #: eager frames through the function mode's taps; else the dispatch mode. ``None``
@@ -126,6 +129,9 @@ class Guard(CheckIntake):
         #: calibration replays, driven by ``optimizer_step``'s responder: interception's
         #: real cost, measured (``sdc_guard.runtime.calibration``)
         self.replays = Replays(self, calibrate_every)
+        #: check the step's collectives (``runtime/collective_checks.py``), where they can be
+        self.collectives = collectives
+        self.collective_checks = CollectiveChecks(self._sites, self.module_names, self._warn_once)
 
     # --- step lifecycle ------------------------------------------------------------------
 
@@ -185,6 +191,8 @@ class Guard(CheckIntake):
             if not self.compiled:  # compiled graphs know their sites; hooks would recompile them
                 self._sites.start()
         self._watched_last = self._watching
+        self.collective_checks.begin(requested=self.collectives and self._watching, compiled=self.compiled,
+                                     sampler=self.sampler)
         self._step_open = True
         self._sync_mode()
         self._sync_optimizer_hooks()
@@ -220,6 +228,7 @@ class Guard(CheckIntake):
         for that reason, not for a missing ``optimizer_step``)."""
         if closure_raised:
             self._screen_tried = True
+            self.collective_checks.abandon()
         report = self._close_step(keep_empty=True)
         assert report is not None
         return report
@@ -235,7 +244,12 @@ class Guard(CheckIntake):
         self._sites.calls = 0
         round_trip = round_trip_seconds() if self._ledger.ops else 0.0
         module_hook = module_hook_seconds() if self._ledger.module_calls else 0.0
-        if (not keep_empty and self._watching and self._ledger.seen == 0 and not self._ledger.unverified) or \
+        collectives = self.collective_checks.close(self.step_index, self.rank) \
+            if self.collective_checks.pending else None  # every rank of a group closes alike
+        if collectives is not None:
+            self._ledger.hook_seconds += collectives.seconds
+        if (not keep_empty and self._watching and self._ledger.seen == 0 and not self._ledger.unverified
+                and collectives is None) or \
                 (not keep_empty and self._provisional and not self._watching):
             # a block that ran no GEMM (an unwatched step is still a step), or the step
             # optimizer_step opened after the block's last one: what the guard spent in
@@ -246,6 +260,8 @@ class Guard(CheckIntake):
                                      stats=self.screen_stats, round_trip=round_trip, module_hook=module_hook,
                                      calibration=self.replays.calibration)
         started = time.perf_counter()  # what follows the report is charged to the next one
+        if collectives is not None:
+            collectives.into(report)
         screened = self._gradient_screen
         if not self._screen_tried and report.attempt == 0 and self.screens_gradients:
             self._warn_once("unscreened", "sdc_guard: the sampler screens gradients, but only "
@@ -321,6 +337,13 @@ class Guard(CheckIntake):
             self._responder = Responder(self, optimizer, self.policy, self.snapshots, step_fn)
             self.snapshots = self._responder.snapshots
         return self._responder.run(closure, replay=replay, loss=loss, replay_started=replay_started)
+
+    def on_collective(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Called by the dispatch mode for every collective (``ops.Route.COLLECTIVE``): run
+        it, checked when the open step checks collectives (``runtime/collective_checks.py``)."""
+        if not self._step_open:
+            return func(*args, **kwargs)
+        return self.collective_checks.run(func, args, kwargs, phase=current_phase(), call_index=self._ledger.seen)
 
     @property
     def screens_gradients(self) -> bool:
@@ -511,6 +534,7 @@ def protect(
     compiled: bool | None = None,
     calibrate_every: int | None = DEFAULT_EVERY,
     events: Any = None,
+    collectives: bool = True,
 ) -> Guard:
     """Verify the GEMMs ``model`` runs inside the block, forward and backward.
 
@@ -544,7 +568,11 @@ def protect(
     closure then runs once per step, and the reported interception stays an estimate);
     ``events``: where a JSON line goes for each detection, response and exit (a path, ``"-"``
     for standard error, a text stream or a callable; default ``$SDC_GUARD_EVENTS``, else
-    none; ``sdc_guard.respond.events``, docs/OPERATIONS.md).
+    none; ``sdc_guard.respond.events``, docs/OPERATIONS.md);
+    ``collectives`` (default True): with ``torch.distributed`` initialised, check the
+    all-reduces, all-gathers and reduce-scatters of each watched step, what each rank
+    received against what was sent (docs/DISTRIBUTED.md, "Collectives"; on the dispatch
+    route, with a sampler that watches the same steps on every rank).
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     >>> with protect(model) as guard:
@@ -554,4 +582,5 @@ def protect(
     """
     return Guard(model, sampler=sampler, e_max=e_max, backend=backend, history=history,
                  cache_bytes=cache_bytes, policy=policy, snapshots=snapshots, metrics=metrics, stats=stats,
-                 screen=screen, compiled=compiled, calibrate_every=calibrate_every, events=events)
+                 screen=screen, compiled=compiled, calibrate_every=calibrate_every, events=events,
+                 collectives=collectives)

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
+from .collective_faults import CollectiveFault, CollectiveInjection, CollectiveInjector
 from . import fault_models
 from .attention import ATTENTION_HANDLERS, BACKWARD_OP, FORWARD_OP, fault_target, op_name
 from .function_mode import function_mode_active
@@ -254,19 +255,23 @@ class FaultInjector(RoutingMode):
     ``injections`` lists what was done, in order.
     """
 
-    def __init__(self, model: nn.Module, *faults: GemmFault, seed: int = 0) -> None:
+    def __init__(self, model: nn.Module, *faults: GemmFault | CollectiveFault, seed: int = 0) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         super().__init__(SiteTracker(model))
         for f in faults:
-            if not isinstance(f, GemmFault):
-                raise TypeError(f"faults: expected GemmFault objects, got {type(f).__name__}")
+            if not isinstance(f, (GemmFault, CollectiveFault)):
+                raise TypeError(f"faults: expected GemmFault or CollectiveFault objects, got {type(f).__name__}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed: expected an int, got {type(seed).__name__} {seed!r}")
         self.model = model
-        self.faults = list(faults)
-        self.injections: list[Injection] = []
+        self.faults = [f for f in faults if isinstance(f, GemmFault)]
+        #: GEMM corruptions (``Injection``) and collective ones (``CollectiveInjection``), in order
+        self.injections: list[Injection | CollectiveInjection] = []
         self._rng = random.Random(seed)
+        #: the collective faults, applied to the collectives this mode sees (runtime/collective_faults.py)
+        self._collectives = CollectiveInjector(model, [f for f in faults if isinstance(f, CollectiveFault)],
+                                               self._rng, self.injections)
         self._sites: SiteTracker = self.sites  # type: ignore[assignment]
         self._spent: set[int] = set()  #: indices of non-sticky faults already fired
         self._counts: dict[int, int] = {}
@@ -298,9 +303,15 @@ class FaultInjector(RoutingMode):
         remove_drill(self._at_check)
         self._sites.stop()
 
-    def remove(self, fault: GemmFault) -> None:
+    def remove(self, fault: GemmFault | CollectiveFault) -> None:
         """Stop applying ``fault`` (a replaced node no longer has the faulty unit)."""
         self.faults = [f for f in self.faults if f is not fault]
+        self._collectives.remove(fault)  # type: ignore[arg-type]
+
+    def collective(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A collective (``ops.Route.COLLECTIVE``): its result corrupted where a
+        ``CollectiveFault`` says so (``runtime/collective_faults.py``)."""
+        return self._collectives.run(func, args, kwargs)
 
     def after(self, func: Any, route: Route, args: tuple, kwargs: dict, out: Any) -> None:
         """Routed like the guard's mode (``sdc_guard.runtime.ops``): the GEMMs inside composite
@@ -419,8 +430,10 @@ def _matches(fault: GemmFault, site: str, op: str, phase: str, step: int) -> boo
     )
 
 
-def drill(model: nn.Module, *faults: GemmFault, seed: int = 0) -> FaultInjector:
-    """A fault drill on ``model``'s GEMMs; enter it before ``protect()``.
+def drill(model: nn.Module, *faults: GemmFault | CollectiveFault, seed: int = 0) -> FaultInjector:
+    """A fault drill on ``model``'s GEMMs (``GemmFault``) and on the collectives its
+    training runs (``CollectiveFault``, ``runtime/collective_faults.py``); enter it before
+    ``protect()``.
 
     A sticky fault with a ``step`` starts at that step and stays (a unit that failed).
 

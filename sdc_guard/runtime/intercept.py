@@ -381,6 +381,12 @@ class GemmInterceptor(RoutingMode):
             return
         self.sink.on_unverified(name)
 
+    def collective(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A collective (``ops.Route.COLLECTIVE``): run by the sink, which checks it
+        (``Guard.on_collective``); a sink without ``on_collective`` just runs it."""
+        on_collective = getattr(self.sink, "on_collective", None)
+        return func(*args, **kwargs) if on_collective is None else on_collective(func, args, kwargs)
+
 
 def autograd_sequence_number() -> int:
     """The sequence number autograd gives the next node made on this thread (nodes made

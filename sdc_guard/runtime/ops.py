@@ -20,6 +20,11 @@ Every op is given one :class:`Route`, once per overload:
   reaches a mode undecomposed only where autograd did not decompose it first (under
   ``torch.inference_mode()``, inside a higher-order op's body); ``func.decompose()`` runs
   that same kernel with the mode on, so the mode sees what it sees under autograd.
+- ``COLLECTIVE``: a ``torch.distributed`` collective (``c10d`` and ``_c10d_functional`` ops,
+  ``collective_ops.collective_packets``): the mode runs it itself (``RoutingMode.collective``),
+  so that the guard can take the senders' checksums before it and the receivers' after it
+  (``runtime/collective_checks.py``) and a drill can corrupt its result
+  (``runtime/collective_faults.py``).
 - ``PLAIN``: everything else; run and passed through.
 
 Higher-order ops (HOPs) are routed by name (:data:`HOP_BODIES`, ``runtime/hops.py``):
@@ -43,6 +48,7 @@ from torch._C import DispatchKey
 from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .collective_ops import collective_packets
 from .hops import (  # noqa: F401  (reentered: its former home is here)
     HOP_BODIES, BranchSites, entering, hidden_from_dynamo, reentered,
 )
@@ -161,6 +167,9 @@ UNVERIFIED_GEMM_OPS: frozenset[Any] = _packets(
 #: mode on (``Route.REDISPATCH``).
 REDISPATCH_OPS: frozenset[Any] = _packets("_trilinear")
 
+#: ``torch.distributed``'s collectives as the dispatcher sees them (``Route.COLLECTIVE``)
+COLLECTIVE_OPS: frozenset[Any] = collective_packets()
+
 
 class Route(enum.Enum):
     """How a dispatch mode of sdc_guard treats one op (the module doc)."""
@@ -170,6 +179,7 @@ class Route(enum.Enum):
     UNVERIFIED = "unverified"
     REDISPATCH = "redispatch"
     DECOMPOSE = "decompose"
+    COLLECTIVE = "collective"
     PLAIN = "plain"
 
 
@@ -185,6 +195,8 @@ def route_of(func: Any) -> Route:
         return Route.UNVERIFIED
     if packet in REDISPATCH_OPS:
         return Route.REDISPATCH
+    if packet in COLLECTIVE_OPS:
+        return Route.COLLECTIVE
     if _is_composite_implicit(func):
         return Route.DECOMPOSE
     return Route.PLAIN
@@ -280,6 +292,11 @@ class RoutingMode(TorchDispatchMode):
     def on_opaque(self, name: str) -> None:
         """Called for a HOP run with the mode off (its body unseen)."""
 
+    def collective(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """Run a collective (``Route.COLLECTIVE``) and return its result; a mode that
+        checks or corrupts collectives wraps the call (``run_then``)."""
+        return func(*args, **kwargs)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if types:
@@ -304,6 +321,10 @@ class RoutingMode(TorchDispatchMode):
         elif route is Route.REDISPATCH:
             with reentered(self):
                 return redispatch_below_python(func, args, kwargs)
+        elif route is Route.COLLECTIVE:
+            out = self.collective(func, args, kwargs)
+            self.after(func, route, args, kwargs, out)
+            return out
         out = func(*args, **kwargs)
         self.after(func, route, args, kwargs, out)
         return out

@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Detection:
-    """One GEMM whose check found corruption, confirmed by exact recomputation."""
+    """One GEMM whose check found corruption, confirmed by exact recomputation; or one
+    collective whose result is not what its senders sent (``kind="collective"``,
+    ``runtime/collective_checks.py``): then ``site`` is its bucket or module, ``op`` the
+    collective (``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"``, ``"exchange"``
+    for the checksum exchange itself), ``segments`` the flagged segments of
+    ``core.collective.SEGMENT`` elements (an all-gather: the flagged shards, by group
+    rank), ``shape`` the result's size, and ``senders`` / ``receiver`` the link."""
 
     step: int
     site: str  #: module path relative to the protected model ("global" outside any module)
@@ -25,8 +31,12 @@ class Detection:
     call_index: int  #: position of the GEMM among the step's GEMMs
     rank: int = 0
     #: "gemm": the product disagrees with its operands; "weight": the product is right for
-    #: the weight in memory, but the weight changed at rest since its last observed update
+    #: the weight in memory, but the weight changed at rest since its last observed update;
+    #: "collective": what this rank received is not what was sent
     kind: str = "gemm"
+    #: a collective's sending ranks (global ranks; every rank of the group for a reduction)
+    senders: list[int] = field(default_factory=list)
+    receiver: int | None = None  #: a collective's receiving rank (this one)
 
 
 KindKey = tuple[str, str, str]  #: (op, phase, dtype): bounded label set for metrics
@@ -64,7 +74,7 @@ class StepReport:
     step: int
     seen: int  #: GEMMs seen
     verified: int
-    flagged: int  #: GEMMs with at least one confirmed corrupted segment
+    flagged: int  #: GEMMs with at least one confirmed corrupted segment, and collectives that failed their check
     detections: list[Detection]
     unverified_ops: dict[str, int]  #: GEMM-bearing ops that could not be verified, by op
     verify_seconds: float
@@ -117,6 +127,16 @@ class StepReport:
     #: running spreads (``Screened.sigmas`` trips it)
     gradient_sigmas: float = 0.0
     nonfinite_grads: int = 0  #: parameters whose gradient held a NaN or an infinity
+    #: collectives checked (``runtime/collective_checks.py``); their detections are in
+    #: ``detections`` (kind "collective") and ``flagged``
+    collective_checks: int = 0
+    #: the same, by op ("all_reduce", "all_gather", "reduce_scatter")
+    collective_checks_by_op: dict[str, int] = field(default_factory=dict)
+    #: collectives seen but not checked, by ``op[reason]`` (a max reduction, an integer dtype, ...)
+    collectives_unchecked: dict[str, int] = field(default_factory=dict)
+    collective_seconds: float = 0.0  #: what the collective checks took (part of guard_seconds)
+    #: the part of it the checksum exchange took: one small all-reduce per process group
+    collective_exchange_seconds: float = 0.0
 
     @property
     def attention_checks(self) -> int:

@@ -96,10 +96,25 @@ def sampler_watches(sampler: Sampler) -> bool:
     return True if watches is None else bool(watches())
 
 
+def sampler_shared(sampler: Sampler) -> bool:
+    """Whether ``sampler`` watches the same steps on every rank of a job
+    (``shared_schedule``; a sampler that does not say is assumed not to): the collective
+    checks need every rank of a group to check the same collectives
+    (``runtime/collective_checks.py``), so they run only under such a sampler.
+
+    >>> from sdc_guard.runtime.sampling import Budget, EveryN
+    >>> sampler_shared(EveryN(4)), sampler_shared(Budget(0.05))
+    (True, False)
+    """
+    return bool(getattr(sampler, "shared_schedule", False))
+
+
 class Stateless:
     """Base for samplers whose only state is the step they are on."""
 
     step = 0
+    #: the watched steps depend on the step number alone: the same on every rank
+    shared_schedule = True
 
     def begin_step(self, step: int) -> None:
         self.step = step

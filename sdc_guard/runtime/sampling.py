@@ -34,7 +34,8 @@ import torch  # noqa: F401  (the doctests' namespace)
 from .budget import Budget  # noqa: F401  (a sampler of this module's family)
 from .screened import SCREEN_VERDICTS, GradientScreen, Screened, sampler_screens  # noqa: F401  (the same)
 from .sampler_base import (  # noqa: F401  (the samplers' contract, importable here as before)
-    SAMPLER_METHODS, STATEFUL_METHODS, Sampler, SiteKey, Stateless, StepCosts, check_sampler, sampler_watches,
+    SAMPLER_METHODS, STATEFUL_METHODS, Sampler, SiteKey, Stateless, StepCosts, check_sampler, sampler_shared,
+    sampler_watches,
     _check_int, _check_positive_int, _check_weight,
 )
 
@@ -115,6 +116,8 @@ class Rotating:
     >>> r = Rotating(2); r.begin_step(0); r.should_verify(("a", "forward", "mm"))
     True
     """
+
+    shared_schedule = True  #: every step is watched, on every rank
 
     def __init__(self, k: int) -> None:
         self.k = _check_positive_int("k", k)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .budget import Budget  # noqa: F401  (the doctests' namespace)
 from .gradient_stats import NO_REFERENCE, ZERO_DELTA, Deviations, NormStatistics
-from .sampler_base import Sampler, SiteKey, StepCosts, check_sampler, sampler_watches, _check_weight
+from .sampler_base import Sampler, SiteKey, StepCosts, check_sampler, sampler_shared, sampler_watches, _check_weight
 
 
 @dataclass
@@ -128,6 +128,12 @@ class Screened:
 
     def watches_step(self) -> bool:
         return self.background is not None and sampler_watches(self.background)
+
+    @property
+    def shared_schedule(self) -> bool:
+        """No step is watched without a background (re-executions run on every rank at
+        once); with one, its schedule."""
+        return self.background is None or sampler_shared(self.background)
 
     def should_verify(self, site: SiteKey) -> bool:
         return self.background is not None and self.background.should_verify(site)

@@ -14,7 +14,9 @@ summary at a glance on stdout when it ends, and (``--json PATH``) everything it 
 - ``train``: end-to-end training-step overhead of ``protect()`` with ``Full()``,
   ``Budget`` and ``EveryN``, and the coverage each achieves (``sdc_guard.tools.bench_train``);
 - ``calibrate``: the largest D/T at ``e_max = 1`` on this device, and the ``e_max`` to use
-  with a stated safety margin (``sdc_guard.tools.bench_fp``).
+  with a stated safety margin (``sdc_guard.tools.bench_fp``);
+- ``collectives``: what checking the collectives costs a DDP and an FSDP2 step, and the
+  checksum exchange alone (``sdc_guard.tools.bench_collectives``).
 
 Exit status: 0, or 1 when ``fp`` counted a false positive, or 2 for bad arguments.
 
@@ -41,6 +43,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                "(GEMMs; fused attention with --attention)"),
     "train": ("sdc_guard.tools.bench_train", "training-step overhead of protect() and the coverage of each sampler"),
     "calibrate": ("sdc_guard.tools.bench_calibrate", "max D/T at e_max = 1 on this device, and a recommended e_max"),
+    "collectives": ("sdc_guard.tools.bench_collectives", "what checking the collectives costs a DDP and an FSDP2 "
+                    "step (gloo ranks on this machine), and the checksum exchange alone"),
 }
 
 EXIT_BAD_ARGS = 2
