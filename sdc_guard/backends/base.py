@@ -42,6 +42,16 @@ class Backend:
         (not clear, or not known without building the ``AbftCheck``)."""
         return None
 
+    def clear_gemm(self, a: Tensor, b: Tensor, c: Tensor, e_max: float, *, bias: Tensor | None = None,
+                   alpha: float = 1.0, beta: float = 1.0, weight: WeightSide | None = None,
+                   rounding: float = 1.0) -> float | None:
+        """``clear_worst`` of the request these arguments make, without making it: the
+        guard's path for every verified GEMM (``runtime/checker.py``), where the request
+        object and its checks cost as much as a small check. ``None`` here (the default:
+        not known cheaply) sends the guard to ``summarize``; a backend with a cheap
+        ``clear_worst`` overrides both with the same answers."""
+        return None
+
     def summarize(self, req: GemmRequest, cached: bool = False) -> tuple[Tensor | None, Tensor | list[float]]:
         """Screen ``req``, confirm its flags and keep what the guard keeps of it
         (``core.summary.summarize``): the confirmed-corruption mask (``None`` when clear) and the
