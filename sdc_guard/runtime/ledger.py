@@ -59,6 +59,24 @@ class Clock:
             return event
         return time.perf_counter()
 
+    def start_cuda(self) -> Any:
+        """``start`` on a CUDA device."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop_cuda(self, started: Any) -> float:
+        """``stop`` on a CUDA device: 0 now, the time once the step synchronises."""
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._events.append((started, end))
+        return 0.0
+
+    def add(self, seconds: float) -> float:
+        """``stop`` on the host: add ``seconds`` (timed by the caller) and return them."""
+        self.seconds += seconds
+        return seconds
+
     def stop(self, device: torch.device, started: Any) -> float:
         """Add the elapsed time; returns it where known now (CPU), else 0."""
         if device.type == "cuda":
@@ -111,7 +129,10 @@ class StepLedger:
     def see(self, kind: KindKey) -> int:
         """Count a GEMM; returns its index among the step's GEMMs."""
         self.seen += 1
-        self.by_kind.setdefault(kind, GemmCounts()).seen += 1
+        counts = self.by_kind.get(kind)
+        if counts is None:
+            counts = self.by_kind[kind] = GemmCounts()
+        counts.seen += 1
         return self.seen - 1
 
     def unverifiable(self, op: str) -> None:

@@ -31,6 +31,20 @@ class Detection:
 
 KindKey = tuple[str, str, str]  #: (op, phase, dtype): bounded label set for metrics
 
+_DTYPE_NAMES: dict[object, str] = {}
+
+
+def dtype_name(dtype: object) -> str:
+    """``"float32"`` for ``torch.float32``: the dtype label of ``KindKey``.
+
+    >>> import torch; dtype_name(torch.bfloat16)
+    'bfloat16'
+    """
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
 
 @dataclass
 class GemmCounts:
