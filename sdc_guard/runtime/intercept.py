@@ -288,15 +288,16 @@ def written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
                  if arg.alias_info is not None and arg.alias_info.is_write)
 
 
-#: per overload id, what it writes (``written_arguments``): its schema never changes
-_WRITES: dict[int, tuple[tuple[int, str], ...]] = {}
+#: per overload id, what it writes (``written_arguments``): its schema never changes;
+#: with the overload itself, kept alive so that its id is never another op's
+_WRITES: dict[int, tuple[tuple[tuple[int, str], ...], Any]] = {}
 
 
 def _writes_of(func: Any) -> tuple[tuple[int, str], ...]:
-    writes = _WRITES.get(id(func))
-    if writes is None:
-        writes = _WRITES[id(func)] = written_arguments(func)
-    return writes
+    known = _WRITES.get(id(func))
+    if known is None:
+        known = _WRITES[id(func)] = (written_arguments(func), func)
+    return known[0]
 
 
 def _written_tensors(args: tuple, kwargs: dict, where: tuple[tuple[int, str], ...]) -> list[Tensor]:

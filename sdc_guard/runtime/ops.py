@@ -239,8 +239,9 @@ def _any_subclass(types: Any, module: str, name: str) -> bool:
 
 
 #: Per ``RoutingMode`` subclass: (the registry state they were learnt under, route per
-#: overload id, the ids of the quiet overloads). See ``RoutingMode.__init__``.
-_TABLES: dict[type, tuple[tuple, dict[int, "Route"], set[int]]] = {}
+#: overload id, the ids of the quiet overloads, the overloads themselves). See
+#: ``RoutingMode.__init__``.
+_TABLES: dict[type, tuple[tuple, dict[int, "Route"], set[int], list[Any]]] = {}
 
 
 class RoutingMode(TorchDispatchMode):
@@ -281,8 +282,8 @@ class RoutingMode(TorchDispatchMode):
         state = self.registry_state()
         tables = _TABLES.get(type(self))
         if tables is None or tables[0] != state:
-            tables = _TABLES[type(self)] = (state, {}, set())
-        _, self._routes, self._quiet = tables
+            tables = _TABLES[type(self)] = (state, {}, set(), [])
+        _, self._routes, self._quiet, self._known = tables
         self.ops = 0
 
     @classmethod
@@ -339,6 +340,8 @@ class RoutingMode(TorchDispatchMode):
 
     def _learn(self, func: Any, route: Route) -> Route:
         """Record ``func``'s route (and whether it is quiet) in the shared tables."""
+        if id(func) not in self._routes:
+            self._known.append(func)  # kept alive, so that its id is never another op's
         if route is Route.PLAIN and self.quiet(func, route):
             self._quiet.add(id(func))
         self._routes[id(func)] = route
