@@ -48,7 +48,7 @@ from .warn_once import warnings_of
 from .checks import MetricsSink, check_backend, check_guard_arguments, check_metrics_sink, current_rank  # noqa: F401  (also importable here)
 from .optimizer_steps import OptimizerSteps
 from .schedule import current_step, set_current_step  # noqa: F401  (also importable here)
-from .schedule import carry_over, note_sampler_begun, sampler_begun, take_carried
+from .schedule import carry_over, note_block_end, note_sampler_begun, sampler_begun, steps_end_blocks, take_carried
 
 
 class Guard(CheckIntake):
@@ -168,9 +168,12 @@ class Guard(CheckIntake):
                 self.sampler.begin_step(self.step_index)
                 note_sampler_begun(self.model, self.sampler, self.step_index)
         self._watching = rerun or sampler_watches(self.sampler)
-        if self._watching:
+        if not self._watching:
+            self._encode_due = False  # an unwatched step: its next watched one starts cold anyway
+        elif not (provisional and steps_end_blocks(self.model)):
             self.encode_due_weights()  # right after the optimizer step that made it due
-        self._encode_due = False  # an unwatched step: its next watched one starts cold anyway
+        # else one block per step: the block's exit would drop the encodings made now, the
+        # next activation invalidating them; its next GEMM makes them if the block goes on
         self._optimizers.reset()
         if self._watching:
             if not rerun or not self._watched_last:
@@ -226,6 +229,8 @@ class Guard(CheckIntake):
             raise RuntimeError("end_step(): no step is open (use it inside the protect() block)")
         self._sites.stop()
         self._step_open = False
+        if self._provisional:  # opened by optimizer_step: did the block end right after it?
+            note_block_end(self.model, after_step=not keep_empty)
         if self._mode is not None:  # the step's ops so far; the mode goes on for the next step
             self._ledger.ops += self._mode.ops
             self._mode.ops = 0

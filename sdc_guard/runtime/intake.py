@@ -102,11 +102,14 @@ class CheckIntake:
         watched step, have them re-encoded while their value is known good: right after
         an optimizer step wrote them. The re-encoding runs when this guard next opens a
         watched step or sees its next GEMM, whichever comes first (``encode_due_weights``):
-        in a long-lived block that is right after the optimizer step, before the next
-        batch is even loaded. A block that exits first drops it (the next activation makes
-        every encoding stale anyway), and so does a next step the sampler does not watch:
-        with one ``protect()`` block per step, or between ``Budget`` sweeps, the work
-        would be thrown away. After an unwatched step it does nothing."""
+        in a long-lived block that is right after the optimizer step (the step
+        ``optimizer_step`` opens next), before the next batch is even loaded. A block that
+        exits first drops it (the next activation makes every encoding stale anyway), and
+        so does a next step the sampler does not watch: with one ``protect()`` block per
+        step, or between ``Budget`` sweeps, the work would be thrown away. So where the
+        model's blocks end right after ``optimizer_step`` (``schedule.steps_end_blocks``)
+        the step opened next leaves it to its first GEMM. After an unwatched step it does
+        nothing."""
         if not self._watching:  # the next watched step invalidates every encoding anyway
             return
         started = time.perf_counter()
