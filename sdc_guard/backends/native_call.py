@@ -13,7 +13,7 @@ extension they are given.
 from __future__ import annotations
 
 import types
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 from torch import Tensor
@@ -92,12 +92,14 @@ def encoding_bytes(bt: int, k: int, nseg: int) -> int:
     return 16 * big + 64 * small + small
 
 
+@lru_cache(maxsize=1024)  # pure, and asked for every encoding
 def buffer_offsets(big: int, small: int) -> tuple[int, int, int, int, int, int]:
     """Byte offsets in an encoding buffer of ``Br``, ``Babs``, max, min (fp32 [bt, nseg, K]
     each), the 8 fp64 aggregate planes [8, bt, nseg] and ``bad`` [bt, nseg]."""
     return 0, 4 * big, 8 * big, 12 * big, 16 * big, 16 * big + 64 * small
 
 
+@lru_cache(maxsize=1024)  # pure, and asked for every encoding
 def factor_offsets(big: int, small: int) -> tuple[int, ...]:
     """Byte offsets of the four fp64 factor planes (aggregate planes 4-7)."""
     agg = buffer_offsets(big, small)[4]
@@ -146,6 +148,7 @@ def weight_side_of(shape: tuple[int, ...], buf: Tensor) -> WeightSide:
     return ws
 
 
+@lru_cache(maxsize=1024)  # pure, and asked for every encoding
 def buffer_geometry(bshape: tuple[int, ...], k: int, n: int) -> tuple[tuple[int, ...], ...]:
     """Shapes and strides of ``Br`` ([..., K, nseg], segment-major) and of a factor
     ([..., 1, nseg]) in an encoding buffer (``native._encode``)."""

@@ -78,10 +78,10 @@ class Plan:
         """Check, with the outputs (and a cold ``b``'s encoding) at ``p`` (``nbytes``):
         ``ext.check``'s (all passed and finite, worst D / T)."""
         if self.cold:
-            (o_br, o_babs, o_hi, o_lo, o_agg, o_bad), babs, sbrs, factors = self.enc
+            (o_br, o_babs, o_hi, o_lo, o_agg, o_bad), babs, sbrs, (f0, f1, f2, f3) = self.enc
             ext.weight_side(b.data_ptr(), *self.ws_pre, p + o_br, p + o_babs, p + o_hi, p + o_lo, p + o_agg,
                             p + o_bad, threads)
-            br, babs, fs = p, p + babs, tuple(p + o for o in factors)
+            br, babs, fs = p, p + babs, (p + f0, p + f1, p + f2, p + f3)
         else:
             prep = ws.attached["native"]  # type: ignore[union-attr]
             br, babs, sbrs, fs = prep.br_ptr, prep.babs_ptr, prep.sbrs, prep.f_ptrs

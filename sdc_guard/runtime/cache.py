@@ -214,8 +214,8 @@ class WeightCache:
         version = b._version
         # b itself is kept (a detached alias may not share its version counter); the
         # encoding reads a no-grad alias, since b's base may since have been updated in place
-        with torch.no_grad():
-            encoded = encode(b.detach())
+        # (on which nothing the encoding computes is recorded: no grad mode needed)
+        encoded = encode(b.detach())
         nbytes = encoded.nbytes
         self._entries[key] = (version, b, encoded, encode, nbytes)
         self._bytes += nbytes

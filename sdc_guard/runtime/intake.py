@@ -192,7 +192,8 @@ class CheckIntake:
             self.on_unverified(op)
             return
         elapsed = clock.stop_cuda(started) if cuda else clock.add(time.perf_counter() - started)
-        shape = (*out.shape[:-2], a.shape[-2], a.shape[-1], gemm.b.shape[-1])
+        m, k = a.shape[-2:]
+        shape = (*out.shape[:-2], m, k, gemm.b.shape[-1])
         ledger.record(Pending(site, kind, call_index, shape, a.dtype, sdc, summary), elapsed)
 
     def on_attention(self, call: AttentionCall, site: str | None = None, phase: str | None = None) -> None:
