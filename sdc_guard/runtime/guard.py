@@ -394,6 +394,19 @@ class Guard(CheckIntake):
         self.charge(time.perf_counter() - started)
 
     @property
+    def replayable(self) -> bool:
+        """Whether the open step's closure can run once bare for a calibration replay
+        (``sdc_guard.runtime.calibration``): the route switches all its checks off while
+        ``replays.bare`` is set (``_sync_mode``) and on again after, and no other mode
+        would see both runs. The dispatch route, with its mode the only one on the thread;
+        the compiled route not (yet): its graphs are traced with the function mode, and
+        leaving it would compile them again without their checks."""
+        if self.compiled:
+            return False
+        return (self.intercepting and torch._C._len_torch_dispatch_stack() == 1
+                and _get_current_dispatch_mode() is self._mode)
+
+    @property
     def intercepting(self) -> bool:
         """Whether the dispatch mode is on now (active, and the step is watched)."""
         return self._mode is not None

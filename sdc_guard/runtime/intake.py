@@ -73,6 +73,14 @@ class CheckIntake:
                             "without the guard's function mode); protect(model, compiled=False) verifies them "
                             "in the model's compiled code (docs/COMPILE.md, 'Limits')")
 
+    def note_intercepted(self, calls: int = 1) -> None:
+        """Count ``calls`` a route made into the guard's Python without timing them
+        (each is a round trip into the guard: a dispatch-mode op, which the mode counts
+        itself, or a compiled graph's check op, which calls this): the per-op estimate of
+        interception, which calibration replays scale to its measured cost
+        (``StepLedger.interception_estimate``)."""
+        self._ledger.ops += calls
+
     def on_write(self, tensors: list[Tensor]) -> None:
         """Called by the dispatch mode with the tensors an op wrote: a parameter written by
         the program needs its cached encoding remade (``sdc_guard.runtime.cache``)."""

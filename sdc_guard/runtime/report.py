@@ -112,7 +112,8 @@ class StepReport:
     #: the per-op estimate of interception, uncalibrated (a lower bound)
     interception_estimate_seconds: float = 0.0
     #: measured interception / its per-op estimate, from this model's calibration replays
-    #: (None: no replay yet, the estimate stands)
+    #: (None: no replay yet, the estimate stands); replays timed in CPU time (a CPU model on
+    #: one thread) are brought to this step's wall time (its wall over its CPU time)
     interception_factor: float | None = None
     #: what this step's calibration replay took (the closure bare, its effects undone);
     #: 0 without one. Part of guard_seconds.
