@@ -66,7 +66,7 @@ typedef struct {
 
 /* One thread's scratch, and the stacked head packed in it. */
 typedef struct {
-    float *kp, *vp, *ksum, *kabs, *vsum, *vabs, *qp, *op, *sb, *dpb, *row;
+    float *kp, *vp, *ksum, *kabs, *kas, *kn, *vsum, *vabs, *vas, *vn, *qp, *op, *sb, *dpb, *row;
     int64_t head;
     double kmax, vmax, kabs_tot, vabs_tot;
     int kfin, vfin;
@@ -78,14 +78,16 @@ static int64_t up64(int64_t n) { return (n + 15) & ~(int64_t)15; } /* floats, to
 static int scratch_alloc(scratch *w, const job *J) {
     const attn_call *c = J->c;
     int64_t dm = c->d > c->dv ? c->d : c->dv;
-    int64_t sizes[11] = {J->s_pad * c->d, J->bwd ? J->s_pad * c->dv : 0, J->s_pad, J->s_pad, J->s_pad, J->s_pad,
-                         AT_RB * c->d, AT_RB * c->dv, AT_RB * J->ld, J->bwd ? AT_RB * J->ld : 0, dm};
+    int64_t sizes[15] = {J->s_pad * c->d, J->bwd ? J->s_pad * c->dv : 0, J->s_pad, J->s_pad, J->s_pad, J->s_pad,
+                         J->s_pad, J->s_pad, J->s_pad, J->s_pad, AT_RB * c->d, AT_RB * c->dv, AT_RB * J->ld,
+                         J->bwd ? AT_RB * J->ld : 0, dm};
     int64_t total = 0;
-    for (int i = 0; i < 11; i++) total += up64(sizes[i]);
+    for (int i = 0; i < 15; i++) total += up64(sizes[i]);
     float *base = NULL;
     if (posix_memalign((void **)&base, 64, (size_t)total * 4)) return -1;
-    float **slot[11] = {&w->kp, &w->vp, &w->ksum, &w->kabs, &w->vsum, &w->vabs, &w->qp, &w->op, &w->sb, &w->dpb, &w->row};
-    for (int i = 0; i < 11; i++) {
+    float **slot[15] = {&w->kp, &w->vp, &w->ksum, &w->kabs, &w->kas, &w->kn, &w->vsum, &w->vabs, &w->vas, &w->vn,
+                        &w->qp, &w->op, &w->sb, &w->dpb, &w->row};
+    for (int i = 0; i < 15; i++) {
         *slot[i] = base;
         base += up64(sizes[i]);
     }
@@ -100,15 +102,16 @@ static inline const char *at_row(const at_tensor *t, int64_t b, int64_t h, int64
 }
 
 /* Row statistics: sum, sum of |x|, sum of squares, each in 16 fp32 lanes (lane l sums
- * elements l, l + 16, ...) reduced by lanes.h's fixed tree. */
-static void row_stats(const float *x, int64_t n, double out[3]) {
-    v16 s = {0}, a = {0}, q = {0};
+ * elements l, l + 16, ...) reduced by lanes.h's fixed tree, and the largest |x| (out[3]). */
+static void row_stats(const float *x, int64_t n, double out[4]) {
+    v16 s = {0}, a = {0}, q = {0}, m = {0};
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
         v16 v = vld(x + i);
         s += v;
         a += vabs(v);
         q += v * v;
+        m = vmax(vabs(v), m);
     }
     if (i < n) {
         float t[16] = {0};
@@ -117,25 +120,31 @@ static void row_stats(const float *x, int64_t n, double out[3]) {
         s += v;
         a += vabs(v);
         q += v * v;
+        m = vmax(vabs(v), m);
     }
     out[0] = hsum(s);
     out[1] = hsum(a);
     out[2] = hsum(q);
+    out[3] = hmax(m);
 }
 
-/* K or V of one stacked head: per key the sum and |.| sum (fp32, zero past S), the largest
- * row norm, the total |.| sum, whether all is finite; packed transposed when pack. */
+/* K or V of one stacked head: per key the sum, |.| sum, |sum| and norm (fp32, zero past S),
+ * the largest row norm, the total |.| sum, whether all is finite; packed transposed when
+ * pack. */
 static void pack_kv(const at_tensor *t, int64_t b, int64_t h, int64_t s, int64_t d, int64_t s_pad, float *pack,
-                    float *sum, float *abs_, double *maxnorm, double *abstot, int *fin, float *row) {
+                    float *sum, float *abs_, float *asum, float *norm, double *maxnorm, double *abstot, int *fin,
+                    float *row) {
     double mx = 0, tot = 0;
     int ok = 1;
     for (int64_t j = 0; j < s; j++) {
         cvt(at_row(t, b, h, j), t->dt, 1, d, row);
-        double st[3];
+        double st[4];
         row_stats(row, d, st);
         ok &= isfinite(st[1]) != 0;
         sum[j] = (float)st[0];
         abs_[j] = (float)st[1];
+        asum[j] = fabsf(sum[j]);
+        norm[j] = sqrtf((float)st[2]);
         double nrm = sqrt(st[2]);
         if (nrm > mx) mx = nrm;
         tot += st[1];
@@ -145,7 +154,7 @@ static void pack_kv(const at_tensor *t, int64_t b, int64_t h, int64_t s, int64_t
         }
     }
     for (int64_t j = s; j < s_pad; j++) {
-        sum[j] = abs_[j] = 0.0f;
+        sum[j] = abs_[j] = asum[j] = norm[j] = 0.0f;
         if (pack) {
             float *dst = pack + (j / 16) * d * 16 + (j % 16);
             for (int64_t i = 0; i < d; i++) dst[16 * i] = 0.0f;
@@ -159,9 +168,10 @@ static void pack_kv(const at_tensor *t, int64_t b, int64_t h, int64_t s, int64_t
 static void pack_head(const job *J, scratch *w, int64_t n) {
     const attn_call *c = J->c;
     int64_t b = n / c->hkv, h = n % c->hkv;
-    pack_kv(&c->k, b, h, c->s, c->d, J->s_pad, w->kp, w->ksum, w->kabs, &w->kmax, &w->kabs_tot, &w->kfin, w->row);
-    pack_kv(&c->v, b, h, c->s, c->dv, J->s_pad, J->bwd ? w->vp : NULL, w->vsum, w->vabs, &w->vmax, &w->vabs_tot,
-            &w->vfin, w->row);
+    pack_kv(&c->k, b, h, c->s, c->d, J->s_pad, w->kp, w->ksum, w->kabs, w->kas, w->kn, &w->kmax, &w->kabs_tot,
+            &w->kfin, w->row);
+    pack_kv(&c->v, b, h, c->s, c->dv, J->s_pad, J->bwd ? w->vp : NULL, w->vsum, w->vabs, w->vas, w->vn, &w->vmax,
+            &w->vabs_tot, &w->vfin, w->row);
     w->head = n;
 }
 
@@ -207,7 +217,7 @@ static item item_of(const job *J, int64_t it) {
  * dst[d][AT_RB] (zero columns after rows: the micro-kernel's A); stats[r] = (sum, |.| sum,
  * sum of squares) of the unscaled row. row: scratch of d floats. */
 static void pack_rows(const at_tensor *t, int64_t b, int64_t h, int64_t i0, int rows, int64_t d, float scale,
-                      float *dst, double (*stats)[3], float *row) {
+                      float *dst, double (*stats)[4], float *row) {
     for (int r = 0; r < AT_RB; r++) {
         if (r >= rows) {
             for (int64_t i = 0; i < d; i++) dst[AT_RB * i + r] = 0.0f;
@@ -219,12 +229,23 @@ static void pack_rows(const at_tensor *t, int64_t b, int64_t h, int64_t i0, int 
     }
 }
 
-static double row_sum(const at_tensor *t, int64_t b, int64_t h, int64_t r, int64_t d, float *tmp) {
+/* row r of t's head (b, h): row_stats into st (sum, |.| sum, squares, max |.|) */
+static void row_of(const at_tensor *t, int64_t b, int64_t h, int64_t r, int64_t d, float *tmp, double st[4]) {
     cvt(at_row(t, b, h, r), t->dt, 1, d, tmp);
-    double st[3];
     row_stats(tmp, d, st);
-    return st[0];
 }
+
+/* An output's own share of its threshold, read from its row st (row_of): its final
+ * rounding, out_c sum |x| (core/attention.py, _out_rounding), and, with blk != 0, the
+ * partial sums' roundings blk sqrt(e_in + max |x| sum |x|) (_blocks, energy) */
+static double own_part(const double st[4], double out_c, double blk, double e_in) {
+    double t = out_c * st[1];
+    if (blk != 0.0) t += blk * sqrt(e_in + st[3] * st[1]);
+    return t;
+}
+
+/* a verdict within a finite threshold (core/attention.py, _check) */
+static inline int within(double dd, double t) { return (float)dd <= (float)t && isfinite((float)t); }
 
 /* keys the rows [i0, i0 + rows) need, rounded up to whole vectors; the row's own limit */
 static int64_t block_keys(const attn_call *c, int64_t i0, int rows) {
@@ -254,27 +275,29 @@ static int forward_items(void *ctx, int64_t i0, int64_t i1) {
         if (w.head != x.n) pack_head(J, &w, x.n);
         for (int64_t p0 = x.i0; p0 < x.i1; p0 += AT_RB) {
             int rows = x.i1 - p0 < AT_RB ? (int)(x.i1 - p0) : AT_RB;
-            double qs[AT_RB][3];
+            double qs[AT_RB][4];
             pack_rows(&c->q, x.b, x.hq, p0, rows, d, scale, w.qp, qs, w.row);
             int64_t nkv = block_keys(c, p0, rows);
             J->isa->gemm(w.qp, d, w.kp, nkv, w.sb, J->ld);
             for (int r = 0; r < rows; r++) {
                 int64_t i = p0 + r, o = (x.b * c->hq + x.hq) * c->l + i;
-                float *s = w.sb + r * J->ld, sums[3];
+                float *s = w.sb + r * J->ld, sums[4];
                 float m = J->isa->prep(s, 16 * nkv, mask_row(c, &x, i), c->mdt, row_limit(c, i));
-                J->isa->expsum(s, 16 * nkv, m, w.vsum, w.vabs, 0, sums);
+                J->isa->expsum(s, 16 * nkv, m, w.vsum, w.vas, w.vabs, 0, sums);
                 float total = sums[0];
                 int bad = !isfinite(m) || !isfinite(total) || total == 0.0f || !w.vfin;
-                float ref = sums[1] / total, absum = sums[2] / total;
-                double osum = row_sum(&c->o, x.b, x.hq, i, c->dv, w.row);
+                float ref = sums[1] / total, a1 = sums[2] / total, a2 = sums[3] / total;
+                double ost[4];
+                row_of(&c->o, x.b, x.hq, i, c->dv, w.row, ost);
                 double rho = row_rho(c, sqrt(qs[r][2]), w.kmax, m);
-                double t = (((1 + rho) * (1 + c->c[AC_P]) * c->c[AC_TAIL] - 1) * absum + c->c[AC_FLOOR] +
-                            (c->c[AC_TINY] + FTZ) * w.vabs_tot) * SLACK;
-                double dd = bad ? 0.0 : nan_inf(fabs(osum - (double)ref));
+                double psi = (1 + rho) * (1 + c->c[AC_P]) - 1;
+                double t = (psi * a1 + (1 + psi) * (c->c[AC_TAIL] - 1) * a2 + own_part(ost, c->c[AC_OUT], 0.0, 0.0) +
+                            c->c[AC_FLOOR] + (c->c[AC_TINY] + FTZ) * w.vabs_tot) * SLACK;
+                double dd = bad ? 0.0 : nan_inf(fabs(ost[0] - (double)ref));
                 diff[o] = (float)dd;
                 thr[o] = (float)t;
                 badf[o] = (uint8_t)bad;
-                okf[o] = !bad && (float)dd <= (float)t;
+                okf[o] = !bad && within(dd, t);
                 all &= okf[o];
             }
         }
@@ -303,18 +326,20 @@ static int backward_items(void *ctx, int64_t i0, int64_t i1) {
     for (int64_t it = i0; it < i1; it++) {
         item x = item_of(J, it);
         if (w.head != x.n) pack_head(J, &w, x.n);
-        float *col = J->part + it * 5 * J->s_pad;
-        memset(col, 0, (size_t)(5 * J->s_pad) * 4);
+        float *col = J->part + it * AT_COLS * J->s_pad;
+        memset(col, 0, (size_t)(AT_COLS * J->s_pad) * 4);
         double fsum = 0, dabs = 0;
         int anybad = 0, kvbad = !w.kfin || !w.vfin;
         blk.col = col;
         blk.ksum = w.ksum;
         blk.kabs = w.kabs;
+        blk.kas = w.kas;
+        blk.kn = w.kn;
         blk.e = w.sb;
         blk.dp = w.dpb;
         for (int64_t p0 = x.i0; p0 < x.i1; p0 += AT_RB) {
             int rows = x.i1 - p0 < AT_RB ? (int)(x.i1 - p0) : AT_RB;
-            double qs[AT_RB][3], gs[AT_RB][3];
+            double qs[AT_RB][4], gs[AT_RB][4];
             pack_rows(&c->q, x.b, x.hq, p0, rows, d, scale, w.qp, qs, w.row);
             pack_rows(&c->go, x.b, x.hq, p0, rows, dv, 1.0f, w.op, gs, w.row);
             int64_t nkv = block_keys(c, p0, rows);
@@ -326,9 +351,9 @@ static int backward_items(void *ctx, int64_t i0, int64_t i1) {
                 blk.ok[r] = 0;
                 if (r >= rows) continue;
                 int64_t i = p0 + r;
-                float *s = w.sb + r * J->ld, sums[3];
+                float *s = w.sb + r * J->ld, sums[4];
                 float m = J->isa->prep(s, 16 * nkv, mask_row(c, &x, i), c->mdt, row_limit(c, i));
-                J->isa->expsum(s, 16 * nkv, m, NULL, NULL, 1, sums);
+                J->isa->expsum(s, 16 * nkv, m, NULL, NULL, NULL, 1, sums);
                 float total = sums[0];
                 /* the saved output's row: its norm and Delta = dO . O */
                 cvt(at_row(&c->o, x.b, x.hq, i), c->o.dt, 1, dv, w.row);
@@ -343,7 +368,7 @@ static int backward_items(void *ctx, int64_t i0, int64_t i1) {
                 anybad |= bad;
                 double rho = row_rho(c, sqrt(qs[r][2]), w.kmax, m);
                 double wn = sqrt(gs[r][2]) * (w.vmax + sqrt(onorm));
-                double grow = (1 + rho) * (1 + p_in) * (1 + U32);
+                double grow = (1 + rho) * (1 + p_in) * (1 + U32), psi = (1 + rho) * (1 + p_in) - 1;
                 kappa[r] = grow - 1;
                 beta[r] = 2 * (c->c[AC_GDV] + 2 * c->c[AC_UPROD]) * wn * grow;
                 flush[r] = 2 * FTZ * wn + tiny;
@@ -352,26 +377,33 @@ static int backward_items(void *ctx, int64_t i0, int64_t i1) {
                 blk.ok[r] = (uint8_t)!bad;
                 blk.inv[r] = 1.0f / total;
                 blk.delta[r] = (float)delta;
+                /* the weights of the column sums (core/attention.py, backward_screen) */
                 blk.w[0][r] = (float)gs[r][0];
-                blk.w[1][r] = (float)(((1 + rho) * (1 + p_in) * tail_v - 1) * gs[r][1]);
-                blk.w[2][r] = (float)(tail_kv * beta[r] * qs[r][1]);
+                blk.w[1][r] = (float)(psi * fabs((double)(float)gs[r][0]) + (1 + psi) * (tail_v - 1) * gs[r][1]);
+                blk.w[2][r] = (float)(beta[r] * (fabs((double)(float)qs[r][0]) + (tail_kv - 1) * qs[r][1]));
                 blk.w[3][r] = (float)qs[r][0];
-                blk.w[4][r] = (float)(((1 + kappa[r]) * tail_kv - 1) * qs[r][1]);
+                blk.w[4][r] = (float)(kappa[r] * fabs((double)(float)qs[r][0]) + (1 + kappa[r]) * (tail_kv - 1) * qs[r][1]);
+                blk.w[5][r] = sqrtf((float)gs[r][2]);
+                blk.w[6][r] = sqrtf((float)qs[r][2]);
             }
             J->isa->dsblock(&blk);
             for (int r = 0; r < rows; r++) {
                 int64_t i = p0 + r, o = (x.b * c->hq + x.hq) * c->l + i;
                 int bad = !blk.ok[r] || kvbad;
-                double ref = (double)(scale * blk.racc[r][0]);
-                double t = sc * (((1 + kappa[r]) * tail_q - 1) * blk.racc[r][1] + tail_q * beta[r] * blk.racc[r][2] +
-                                 tail_q * flush[r] * w.kabs_tot) + c->c[AC_FQ];
+                const float *ra = blk.racc[r];
+                double ref = (double)(scale * ra[0]);
+                double qst[4];
+                row_of(&c->dq, x.b, x.hq, i, d, w.row, qst);
+                double e_in = sc * sc * ((double)ra[6] * (double)ra[5]);
+                double t = sc * (kappa[r] * ra[3] + (1 + kappa[r]) * (tail_q - 1) * ra[1] +
+                                 beta[r] * (ra[4] + (tail_q - 1) * ra[2]) + tail_q * flush[r] * w.kabs_tot) +
+                           own_part(qst, c->c[AC_OUTQ], c->c[AC_BLKQ], e_in) + c->c[AC_FQ];
                 t *= SLACK;
-                double dqs = row_sum(&c->dq, x.b, x.hq, i, d, w.row);
-                double dd = bad ? 0.0 : nan_inf(fabs(dqs - ref));
+                double dd = bad ? 0.0 : nan_inf(fabs(qst[0] - ref));
                 diff[o] = (float)dd;
                 thr[o] = (float)t;
                 badf[o] = (uint8_t)bad;
-                okf[o] = !bad && (float)dd <= (float)t;
+                okf[o] = !bad && within(dd, t);
                 all &= okf[o];
             }
         }
@@ -405,25 +437,34 @@ static int finish_kv(void *ctx, int64_t n0, int64_t n1) {
             bad |= J->pflag[it] != 0;
         }
         for (int64_t j = 0; j < c->s; j++) {
-            float s5[5];
-            for (int t = 0; t < 5; t++) {
-                const float *p = J->part + it0 * 5 * J->s_pad + t * J->s_pad + j;
+            float s9[AT_COLS];
+            for (int t = 0; t < AT_COLS; t++) {
+                const float *p = J->part + it0 * AT_COLS * J->s_pad + t * J->s_pad + j;
                 float acc = p[0];
-                for (int64_t it = 1; it < J->per_head; it++) acc += p[it * 5 * J->s_pad];
-                s5[t] = acc;
+                for (int64_t it = 1; it < J->per_head; it++) {
+                    float x = p[it * AT_COLS * J->s_pad];
+                    acc = (t == 6 || t == 8) ? (x > acc ? x : acc) : acc + x; /* 6, 8: maxima */
+                }
+                s9[t] = acc;
             }
             int64_t o = n * c->s + j;
-            double tk = (sc * (s5[4] + s5[2] + tail_kv * fsum) + c->c[AC_FK]) * SLACK;
-            double tv = (s5[1] + (c->c[AC_TINY] + FTZ) * dabs + c->c[AC_FV]) * SLACK;
-            double dk = bad ? 0.0 : nan_inf(fabs(row_sum(&c->dk, b, h, j, c->d, tmp) - (double)s5[3] * scale));
-            double dvv = bad ? 0.0 : nan_inf(fabs(row_sum(&c->dvg, b, h, j, c->dv, tmp) - (double)s5[0]));
+            double kst[4], vst_[4];
+            row_of(&c->dk, b, h, j, c->d, tmp, kst);
+            row_of(&c->dvg, b, h, j, c->dv, tmp, vst_);
+            double ek = sc * sc * ((double)s9[8] * (double)s9[7]), ev = (double)s9[6] * (double)s9[5];
+            double tk = (sc * (s9[4] + s9[2] + tail_kv * fsum) + own_part(kst, c->c[AC_OUTK], c->c[AC_BLKKV], ek) +
+                         c->c[AC_FK]) * SLACK;
+            double tv = (s9[1] + (c->c[AC_TINY] + FTZ) * dabs + c->c[AC_FV] +
+                         own_part(vst_, c->c[AC_OUTV], c->c[AC_BLKKV], ev)) * SLACK;
+            double dk = bad ? 0.0 : nan_inf(fabs(kst[0] - (double)s9[3] * scale));
+            double dvv = bad ? 0.0 : nan_inf(fabs(vst_[0] - (double)s9[0]));
             kd[o] = (float)dk;
             kt[o] = (float)tk;
             vd[o] = (float)dvv;
             vt[o] = (float)tv;
             kvbad[o] = (uint8_t)bad;
-            kok[o] = !bad && (float)dk <= (float)tk;
-            vok[o] = !bad && (float)dvv <= (float)tv;
+            kok[o] = !bad && within(dk, tk);
+            vok[o] = !bad && within(dvv, tv);
             all &= kok[o] && vok[o];
         }
     }
@@ -452,7 +493,7 @@ static int run(const attn_call *c, int threads, int bwd) {
     J.s_pad = (c->s + 15) & ~(int64_t)15;
     J.ld = J.s_pad + 16; /* rows of a strip never 4 KiB apart */
     if (!bwd) return vabft_parallel(forward_items, &J, J.items, threads);
-    J.part = (float *)malloc((size_t)(J.items * 5 * J.s_pad) * 4);
+    J.part = (float *)malloc((size_t)(J.items * AT_COLS * J.s_pad) * 4);
     J.pscal = (double *)malloc((size_t)J.items * 2 * sizeof(double));
     J.pflag = (uint8_t *)malloc((size_t)J.items);
     int rc = -1;

@@ -44,17 +44,21 @@
 
 /* One block of the backward's dS pass (attn_body.h, dsblock): rows r < AT_RB with ok[r]
  * set, key vectors v < nkv. In: e (unnormalised exps, 0 where masked) and dp = dO V^T,
- * [AT_RB][ld]; per row: inv (1 / the row's sum of e), delta, and the weights w0..w4 of
- * the five column sums; per key: ksum, kabs. Adds, for each key j, to col[c * colld + j]:
- * c = 0: P w0, 1: P w1, 2: P w2, 3: dS w3, 4: |dS| w4 (rows in order); writes racc[r]:
- * the row sums of dS ksum, |dS| kabs, P kabs. */
+ * [AT_RB][ld]; per row: inv (1 / the row's sum of e), delta, and the weights w0..w6 of
+ * the column sums; per key: ksum, kabs, kas (|ksum|), kn (the row norm). Adds, for each key
+ * j, to col[c * colld + j]: c = 0: P w0, 1: P w1, 2: P w2, 3: dS w3, 4: |dS| w4, 5: P w5,
+ * 7: |dS| w6 (rows in order), and takes the maxima c = 6: P w5, 8: |dS| w6; writes
+ * racc[r]: the row sums of dS ksum, |dS| kabs, P kabs, |dS| kas, P kas, |dS| kn and the
+ * row maximum of |dS| kn. */
+#define AT_COLS 9
+#define AT_RACC 7
 typedef struct {
     int64_t nkv, ld, colld;
-    const float *e, *dp, *ksum, *kabs;
+    const float *e, *dp, *ksum, *kabs, *kas, *kn;
     float *col;
-    float inv[AT_RB], delta[AT_RB], w[5][AT_RB];
+    float inv[AT_RB], delta[AT_RB], w[7][AT_RB];
     uint8_t ok[AT_RB];
-    float racc[AT_RB][3];
+    float racc[AT_RB][AT_RACC];
 } ds_block;
 
 /* One ISA's kernels (attn_body.h says what each computes). */
@@ -65,8 +69,9 @@ typedef struct {
     /* s[j] += mask[j] (j < lim), s[j] = -inf (lim <= j < n); returns the maximum */
     float (*prep)(float *s, int64_t n, const char *mask, int mdt, int64_t lim);
     /* e_j = exp(s[j] - m), j < n (n a multiple of 16), written over s when keep; out: the
-     * sums of e, of e w1 and of e w2 (w1, w2 NULL: only the first) */
-    void (*expsum)(float *s, int64_t n, float m, const float *w1, const float *w2, int keep, float out[3]);
+     * sums of e, of e w1, of e w2 and of e w3 (w1, w2, w3 NULL: only the first) */
+    void (*expsum)(float *s, int64_t n, float m, const float *w1, const float *w2, const float *w3, int keep,
+                   float out[4]);
     void (*dsblock)(ds_block *b);
     void (*exp)(const float *x, float *y, int64_t n); /* y = exp(x) as the kernels compute it */
 } attn_isa;
@@ -90,8 +95,9 @@ typedef struct {
  * each enters). */
 enum {
     AC_SCALE, AC_ECOEF, AC_G2S, AC_P, AC_TINY, /* both directions */
-    AC_TAIL, AC_FLOOR,                         /* forward */
+    AC_TAIL, AC_FLOOR, AC_OUT,                 /* forward */
     AC_UPROD, AC_GDV, AC_TAILQ, AC_TAILKV, AC_TAILV, AC_FQ, AC_FK, AC_FV, /* backward */
+    AC_OUTQ, AC_OUTK, AC_OUTV, AC_BLKQ, AC_BLKKV,
     AC_N
 };
 

@@ -103,8 +103,9 @@ static float prep(float *s, int64_t n, const char *mask, int mdt, int64_t lim) {
 }
 
 /* ---- exps of one row and their weighted sums -------------------------------------------- */
-static void expsum(float *s, int64_t n, float m, const float *w1, const float *w2, int keep, float out[3]) {
-    VF vm = vset(m), a0 = vzero(), a1 = vzero(), a2 = vzero();
+static void expsum(float *s, int64_t n, float m, const float *w1, const float *w2, const float *w3, int keep,
+                   float out[4]) {
+    VF vm = vset(m), a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
     if (w1) {
         for (int64_t j = 0; j < n; j += 16) {
             VF e = vexp(vsub(vld(s + j), vm));
@@ -112,6 +113,7 @@ static void expsum(float *s, int64_t n, float m, const float *w1, const float *w
             a0 = vadd(a0, e);
             a1 = vfma(e, vld(w1 + j), a1);
             a2 = vfma(e, vld(w2 + j), a2);
+            a3 = vfma(e, vld(w3 + j), a3);
         }
     } else {
         for (int64_t j = 0; j < n; j += 16) {
@@ -123,39 +125,50 @@ static void expsum(float *s, int64_t n, float m, const float *w1, const float *w
     out[0] = vhsum(a0);
     out[1] = vhsum(a1);
     out[2] = vhsum(a2);
+    out[3] = vhsum(a3);
 }
 
 /* ---- the backward's dS pass over a block of rows (attn.h, ds_block) ---------------------- */
 static void dsblock(ds_block *b) {
-    VF racc[AT_RB][3];
-    for (int r = 0; r < AT_RB; r++) racc[r][0] = racc[r][1] = racc[r][2] = vzero();
+    VF racc[AT_RB][AT_RACC];
+    for (int r = 0; r < AT_RB; r++)
+        for (int t = 0; t < AT_RACC; t++) racc[r][t] = vzero();
     const int64_t ld = b->ld, cl = b->colld;
     for (int64_t j = 0; j < 16 * b->nkv; j += 16) {
-        VF ks = vld(b->ksum + j), ka = vld(b->kabs + j);
+        VF ks = vld(b->ksum + j), ka = vld(b->kabs + j), kz = vld(b->kas + j), kn = vld(b->kn + j);
         float *col = b->col + j;
-        VF c0 = vld(col), c1 = vld(col + cl), c2 = vld(col + 2 * cl), c3 = vld(col + 3 * cl), c4 = vld(col + 4 * cl);
+        VF c[AT_COLS];
+        for (int t = 0; t < AT_COLS; t++) c[t] = vld(col + t * cl);
         for (int r = 0; r < AT_RB; r++) {
             if (!b->ok[r]) continue;
             VF p = vmul(vld(b->e + r * ld + j), vset(b->inv[r]));
             VF ds = vmul(vsub(vld(b->dp + r * ld + j), vset(b->delta[r])), p);
             VF ads = vabs(ds);
+            VF adk = vmul(ads, kn);
             racc[r][0] = vfma(ds, ks, racc[r][0]);
             racc[r][1] = vfma(ads, ka, racc[r][1]);
             racc[r][2] = vfma(p, ka, racc[r][2]);
-            c0 = vfma(p, vset(b->w[0][r]), c0);
-            c1 = vfma(p, vset(b->w[1][r]), c1);
-            c2 = vfma(p, vset(b->w[2][r]), c2);
-            c3 = vfma(ds, vset(b->w[3][r]), c3);
-            c4 = vfma(ads, vset(b->w[4][r]), c4);
+            racc[r][3] = vfma(ads, kz, racc[r][3]);
+            racc[r][4] = vfma(p, kz, racc[r][4]);
+            racc[r][5] = vadd(racc[r][5], adk);
+            racc[r][6] = vmax(adk, racc[r][6]);
+            c[0] = vfma(p, vset(b->w[0][r]), c[0]);
+            c[1] = vfma(p, vset(b->w[1][r]), c[1]);
+            c[2] = vfma(p, vset(b->w[2][r]), c[2]);
+            c[3] = vfma(ds, vset(b->w[3][r]), c[3]);
+            c[4] = vfma(ads, vset(b->w[4][r]), c[4]);
+            VF pw = vmul(p, vset(b->w[5][r])), dw = vmul(ads, vset(b->w[6][r]));
+            c[5] = vadd(c[5], pw);
+            c[6] = vmax(pw, c[6]);
+            c[7] = vadd(c[7], dw);
+            c[8] = vmax(dw, c[8]);
         }
-        vst(col, c0);
-        vst(col + cl, c1);
-        vst(col + 2 * cl, c2);
-        vst(col + 3 * cl, c3);
-        vst(col + 4 * cl, c4);
+        for (int t = 0; t < AT_COLS; t++) vst(col + t * cl, c[t]);
     }
-    for (int r = 0; r < AT_RB; r++)
-        for (int t = 0; t < 3; t++) b->racc[r][t] = vhsum(racc[r][t]);
+    for (int r = 0; r < AT_RB; r++) {
+        for (int t = 0; t < AT_RACC - 1; t++) b->racc[r][t] = vhsum(racc[r][t]);
+        b->racc[r][AT_RACC - 1] = vhmax(racc[r][AT_RACC - 1]);
+    }
 }
 
 /* ---- the exp alone (tests) ---------------------------------------------------------------- */

@@ -8,6 +8,7 @@
  * D / T. A row's D, T and verdict go through the same lane-wise operations whichever
  * lane, item or thread it lands in (batch invariance).
  */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -62,7 +63,8 @@ static int chk_rows(const chk_ctx *c, const scratch *w, int64_t rows, int64_t ro
     }
     const vpart kf = psplat((float)c->k), alpha = psplat(c->alpha), beta = psplat(c->beta);
     const vpart inf = psplat(INFINITY);
-    const vdpart scale = dsplat(c->scale), round = dsplat(c->round);
+    const vdpart scale = dsplat(c->scale), round = dsplat(c->round), cabs = dsplat(c->cabs);
+    const vdpart csq = dsplat(c->csq), ccoh = dsplat(c->ccoh);
     const vdpart bias_round = dsplat((double)c->bias_round * fabs((double)c->beta));
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         for (int pt = 0; pt < NPART && pt * PW < rows - r0; pt++) {
@@ -100,9 +102,22 @@ static int chk_rows(const chk_ctx *c, const scratch *w, int64_t rows, int64_t ro
                 vdpart x = mua * dsplat(fcm[s]), y = sd * dsplat(fcs[s]);
                 vdpart bracket = mua * dsplat(fm[s]) + dsqrt(x * x + y * y) + sd * dsplat(fsp[s]);
                 vdpart t64 = floor + scale * bracket + round * pd(pld(w->rabs + q));
+                vpart csum = pld(w->csum + q);
+                /* C's own rounding, read from C (docs/ALGORITHM.md, "Reading C"; abft.c_round64) */
+                vdpart cterm = dsplat(0.0);
+                if (c->cabs != 0.0) cterm = cabs * pd(pld(w->cabs + q)); /* w->cabs is filled only then */
+                if (c->csq != 0.0) {
+                    vpart sq = pld(w->csq + q);
+                    vdpart prob = csq * dsqrt(pd(sq)) + ccoh * pd(pabs(csum));
+                    for (int j = 0; j < PW; j++) /* where Q is normal: the smaller of the two */
+                        if (sq[j] >= FLT_MIN && sq[j] < INFINITY && prob[j] < cterm[j]) cterm[j] = prob[j];
+                } else if (c->ccoh != 0.0) {
+                    cterm = cterm + ccoh * pd(pabs(csum));
+                }
+                t64 = t64 + cterm;
                 vpart t = __builtin_convertvector(t64, vpart);
-                vpart d = pabs(pld(w->csum + q) - ref);
-                vpmask okv = (d <= t) & (d < inf);
+                vpart d = pabs(csum - ref);
+                vpmask okv = (d <= t) & (d < inf) & (pabs(t) < inf); /* T reads C: infinite only where C's sums are */
                 vpmask good = okv & (pabs(t) < inf);
                 vpart ratio = d / t;
                 /* lane-wise, no scalar writes into a vector that is read back whole */
@@ -145,17 +160,19 @@ static int chk_work(void *vctx, int64_t i0, int64_t i1) {
     scratch w;
     int64_t nseg = c->nseg;
     size_t per = (size_t)RBMAX * nseg * sizeof(float);
-    char *mem = (char *)aligned_alloc(64, ABUF * 4 + SEG * 16 * 4 + 2 * ACCN * nseg * sizeof(v16) + 32 * nseg * sizeof(v16) + 5 * per + 256);
+    char *mem = (char *)aligned_alloc(64, ABUF * 4 + SEG * 16 * 4 + 2 * ACCN * nseg * sizeof(v16) + 48 * nseg * sizeof(v16) + 7 * per + 256);
     if (!mem) return -1;
     w.abuf = (float *)mem;
     w.cbuf = w.abuf + ABUF;
     w.acc = (v16 *)(w.cbuf + SEG * 16);
     w.acca = w.acc + ACCN * nseg;
     w.xvec = w.acca + ACCN * nseg;
-    w.ref = (float *)(w.xvec + 32 * nseg);
+    w.ref = (float *)(w.xvec + 48 * nseg);
     w.rabs = w.ref + RBMAX * nseg;
     w.csum = w.rabs + RBMAX * nseg;
-    w.bsum = w.csum + RBMAX * nseg;
+    w.cabs = w.csum + RBMAX * nseg;
+    w.csq = w.cabs + RBMAX * nseg;
+    w.bsum = w.csq + RBMAX * nseg;
     w.babs = w.bsum + RBMAX * nseg;
     int all_ok = 1;
     for (int64_t it = i0; it < i1; it++) {
@@ -170,17 +187,18 @@ static int chk_work(void *vctx, int64_t i0, int64_t i1) {
             vabft_a_rows(c, pa, rows, br, babs, w.abuf, w.acc, w.acca, w.sum, w.hi, w.lo, w.ref, w.rabs);
         }
         const char *pc = c->c + (b0 * c->sc0 + b1 * c->sc1 + m0 * c->scm) * ESZ[c->cdt];
-        vabft_x_block(c, &w, pc, c->cdt, c->scm, c->scn, rows, w.csum, NULL);
+        vabft_x_block(c, &w, pc, c->cdt, c->scm, c->scn, rows, w.csum, c->cabs != 0.0 ? w.cabs : NULL,
+                      c->csq != 0.0 ? w.csq : NULL);
         if (c->bias) {
             const char *pb = c->bias + (b0 * c->sb0 + b1 * c->sb1 + m0 * c->sbm) * ESZ[c->bdt];
-            vabft_x_block(c, &w, pb, c->bdt, c->sbm, c->sbn, rows, w.bsum, w.babs);
+            vabft_x_block(c, &w, pb, c->bdt, c->sbm, c->sbn, rows, w.bsum, w.babs, NULL);
         }
         /* padding lanes of the last group of 16 rows: zeros (computed, then dropped) */
         for (int64_t r = rows; r < ((rows + 15) & ~(int64_t)15); r++) {
             w.sum[r] = w.hi[r] = w.lo[r] = 0.0f;
             for (int64_t s = 0; s < nseg; s++)
-                w.ref[s * RBMAX + r] = w.rabs[s * RBMAX + r] = w.csum[s * RBMAX + r] = w.bsum[s * RBMAX + r] =
-                    w.babs[s * RBMAX + r] = 0.0f;
+                w.ref[s * RBMAX + r] = w.rabs[s * RBMAX + r] = w.csum[s * RBMAX + r] = w.cabs[s * RBMAX + r] =
+                    w.csq[s * RBMAX + r] = w.bsum[s * RBMAX + r] = w.babs[s * RBMAX + r] = 0.0f;
         }
         /* NaN in a row of A: max / min are NaN (torch semantics), found by a rescan */
         for (int64_t r = 0; r < rows; r++)

@@ -28,8 +28,8 @@ typedef struct {
     float *abuf;  /* ABUF: a converted block of A (KC * RB, or KCC * RBC) */
     float *cbuf;  /* SEG * 16 */
     v16 *acc, *acca; /* ACCN * nseg each: the dots with Br and with Babs */
-    v16 *xvec;    /* 2 * 16 * nseg: per-run vectors of the segment sums of C and the bias */
-    float *ref, *rabs, *csum, *bsum, *babs; /* [nseg][RBMAX] each: segment s of row r at s * RBMAX + r */
+    v16 *xvec;    /* 3 * 16 * nseg: per-run vectors of the segment sums (plain, |.|, squares) of C and the bias */
+    float *ref, *rabs, *csum, *cabs, *csq, *bsum, *babs; /* [nseg][RBMAX] each: segment s of row r at s * RBMAX + r */
     float sum[RBMAX], hi[RBMAX], lo[RBMAX];
 } scratch;
 
@@ -42,8 +42,8 @@ void vabft_a_cols(const chk_ctx *c, const char *pa, int64_t rows, const float *b
                   v16 *acc, v16 *acca, float *sum, float *hi, float *lo, float *ref, float *rabs);
 
 /* check_sums.c: segment sums of `rows` rows of X (C or the bias) into out[s * RBMAX + r],
- * and of |X| into aout when given */
+ * of |X| into aout and of X^2 into qout when given */
 void vabft_x_block(const chk_ctx *c, scratch *w, const char *px, int dt, int64_t sm, int64_t sn, int64_t rows,
-                   float *out, float *aout);
+                   float *out, float *aout, float *qout);
 
 #endif /* VABFT_CHECK_H */

@@ -63,13 +63,13 @@ static PyObject *py_weight_side(PyObject *self, PyObject *const *args, Py_ssize_
  *       a, adt, sa0, sa1, sam, sak,  c, cdt, sc0, sc1, scm, scn,
  *       bias, bdt, sb0, sb1, sbm, sbn,  r,  br, babs, sbr0, sbr1, sbrs,
  *       fm, fcm, fcs, fsp (fp64), sf0, sf1,
- *       scale, round, floor, alpha, beta, bias_round,
+ *       scale, round, floor, cabs, csq, ccoh, alpha, beta, bias_round,
  *       vals (diff, thr: 2 planes), rows (mu, hi, lo: 3 planes), flags (ok, zero: 2 planes),
  *       threads) -> bool: every segment passed with D and T finite */
 static PyObject *py_check(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 45) {
-        PyErr_SetString(PyExc_TypeError, "check: expected 45 arguments");
+    if (nargs != 48) {
+        PyErr_SetString(PyExc_TypeError, "check: expected 48 arguments");
         return NULL;
     }
     chk_ctx c;
@@ -111,12 +111,15 @@ static PyObject *py_check(PyObject *self, PyObject *const *args, Py_ssize_t narg
     c.scale = D(35);
     c.round = D(36);
     c.floor = D(37);
-    c.alpha = F(38);
-    c.beta = F(39);
-    c.bias_round = F(40);
-    float *vals = (float *)P(41), *rows = (float *)P(42);
-    uint8_t *flags = (uint8_t *)P(43);
-    int threads = (int)I(44);
+    c.cabs = D(38);
+    c.csq = D(39);
+    c.ccoh = D(40);
+    c.alpha = F(41);
+    c.beta = F(42);
+    c.bias_round = F(43);
+    float *vals = (float *)P(44), *rows = (float *)P(45);
+    uint8_t *flags = (uint8_t *)P(46);
+    int threads = (int)I(47);
     if (PyErr_Occurred()) return NULL;
     if (c.adt < 0 || c.adt > 2 || c.cdt < 0 || c.cdt > 2 || c.bdt < 0 || c.bdt > 2 || c.m <= 0 || c.k <= 0 ||
         c.n <= 0 || c.nb0 <= 0 || c.nb1 <= 0) {

@@ -23,17 +23,18 @@ static inline void comb4(const v16 *a, v16 *c) {
         pset(c, pt, (pget(&a[0], pt) + pget(&a[1], pt)) + (pget(&a[2], pt) + pget(&a[3], pt)));
 }
 
-/* The sums of the run x[0..w) (dtype dt, converted in registers; times r), and of |.|
- * when A, as comb4 vectors into *S and *A: element i goes to lane i % 16 of accumulator
- * ACC(i), the four accumulators start at 0. One part at a time (lanes.h), constant
- * indices only, so that the accumulators stay in registers. */
+/* The sums of the run x[0..w) (dtype dt, converted in registers; times r), of |.| when
+ * A and of the squares when Q, as comb4 vectors into *S, *A and *Q: element i goes to
+ * lane i % 16 of accumulator ACC(i), the four accumulators start at 0. One part at a time
+ * (lanes.h), constant indices only, so that the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void run_sum(const char *x, int dt, const float *r, int64_t w, v16 *S,
-                                                          v16 *A) {
+                                                          v16 *A, v16 *Q) {
     const int64_t esz = ESZ[dt];
     for (int pt = 0; pt < NPART; pt++) {
         const char *xh = x + pt * PW * esz;
         const float *rh = r ? r + pt * PW : NULL;
         vpart s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}, a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        vpart q0 = {0}, q1 = {0}, q2 = {0}, q3 = {0};
         int64_t i = 0;
 #define LDX(o) (r ? pload(xh + (i + (o)) * esz, dt, PW) * pld(rh + i + (o)) : pload(xh + (i + (o)) * esz, dt, PW))
         for (; i + 64 <= w; i += 64) {
@@ -48,8 +49,14 @@ static inline __attribute__((always_inline)) void run_sum(const char *x, int dt,
                 a2 += pabs(v2);
                 a3 += pabs(v3);
             }
+            if (Q) {
+                q0 += v0 * v0;
+                q1 += v1 * v1;
+                q2 += v2 * v2;
+                q3 += v3 * v3;
+            }
         }
-#define SREM(j, sj, aj)                                                                  \
+#define SREM(j, sj, aj, qj)                                                              \
         if (w - i > 16 * (j)) {                                                          \
             int64_t n = w - i - 16 * (j);                                                \
             vpart v;                                                                     \
@@ -62,15 +69,17 @@ static inline __attribute__((always_inline)) void run_sum(const char *x, int dt,
             }                                                                            \
             sj += v;                                                                     \
             aj += pabs(v);                                                               \
+            qj += v * v;                                                                 \
         }
-        SREM(0, s0, a0)
-        SREM(1, s1, a1)
-        SREM(2, s2, a2)
-        SREM(3, s3, a3)
+        SREM(0, s0, a0, q0)
+        SREM(1, s1, a1, q1)
+        SREM(2, s2, a2, q2)
+        SREM(3, s3, a3, q3)
 #undef SREM
 #undef LDX
         pset(S, pt, (s0 + s1) + (s2 + s3)); /* comb4 */
         if (A) pset(A, pt, (a0 + a1) + (a2 + a3));
+        if (Q) pset(Q, pt, (q0 + q1) + (q2 + q3));
     }
 }
 

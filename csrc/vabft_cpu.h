@@ -113,8 +113,10 @@ typedef struct {
     const double *fm, *fcm, *fcs, *fsp;
     int64_t sf0, sf1;         /* factors: batch strides, segment stride 1 */
     double scale;             /* |alpha| e_eff */
-    double round;             /* |alpha| u_C: the factor of |A| @ Babs */
+    double round;             /* |alpha| u_acc (+ 3 u_fp32 with an epilogue): the factor of |A| @ Babs */
     double floor;             /* per element of a segment: precision.element_floor(K, C's dtype) */
+    double cabs, csq, ccoh;   /* the factors of sum |r C|, sqrt(sum (r C)^2) and |sum r C|
+                               * (precision.ScreenTerms.coefficients) */
     float alpha, beta, bias_round;
     float *diff, *thr, *mu, *hi, *lo; /* [nb][m][nseg], [nb][m] */
     uint8_t *ok, *zero;               /* [nb][m][nseg] */

@@ -94,7 +94,6 @@ from sdc_guard.core.precision import (
     C_ROBUST,
     SEGMENT,
     SUPPORTED_DTYPES,
-    UNIT_ROUNDOFF,
     bias_rounding,
     element_floor,
     overflow_limit,
@@ -241,8 +240,8 @@ def _check_kernel(
     sc0, sc1, scm, scn,
     sx0, sx1, sxm, sxn,
     sg0, sg1, sgs,
-    e_eff, alpha, beta, u_c, floor, two_u, limit,
-    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
+    e_eff, alpha, beta, a_round, c_abs, c_sq, c_coh, floor, two_u, limit,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, SQUARES: tl.constexpr,
     SEG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SEG_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     C2: tl.constexpr,
@@ -298,6 +297,8 @@ def _check_kernel(
     c_rows = c_ptr + b0 * sc0 + b1 * sc1 + rows64[:, None] * scm
     x_rows = bias_ptr + b0 * sx0 + b1 * sx1 + rows64[:, None] * sxm
     c_sum = tl.zeros((BLOCK_M, SEG_BLOCK), tl.float32)
+    c_abs_sum = tl.zeros((BLOCK_M, SEG_BLOCK), tl.float32)
+    c_sq_sum = tl.zeros((BLOCK_M, SEG_BLOCK), tl.float32)
     bias_sum = tl.zeros((BLOCK_M, SEG_BLOCK), tl.float32)
     bias_abs = tl.zeros((BLOCK_M, SEG_BLOCK), tl.float32)
     col_first = tl.program_id(1) * (SEG_BLOCK * SEG)
@@ -312,6 +313,9 @@ def _check_kernel(
             r = tl.load(r_ptr + cols64 * stride_r, mask=col_ok, other=0.0).to(tl.float32)
             cv = cv * r[None, :]
         c_sum = tl.where(here, c_sum + tl.sum(cv, axis=1)[:, None], c_sum)
+        c_abs_sum = tl.where(here, c_abs_sum + tl.sum(tl.abs(cv), axis=1)[:, None], c_abs_sum)
+        if SQUARES:
+            c_sq_sum = tl.where(here, c_sq_sum + tl.sum(cv * cv, axis=1)[:, None], c_sq_sum)
         if HAS_BIAS:
             xv = tl.load(x_rows + cols64[None, :] * sxn, mask=mask, other=0.0).to(tl.float32)
             if HAS_WEIGHT:
@@ -335,7 +339,16 @@ def _check_kernel(
     cross_term = tl.sqrt(C2 * width * mu2 * mu2 * v + C2 * width * width * var2 * p2)
     spread_term = tl.sqrt(width) * tl.sqrt(var2) * tl.sqrt(v)
     threshold = (abs_alpha * (e_eff * (mean_term + cross_term + spread_term)) + width * floor
-                 + (abs_alpha * u_c) * rabs.to(tl.float64))
+                 + a_round * rabs.to(tl.float64))
+    # C's own rounding, read from C (docs/ALGORITHM.md, "Reading C"; abft.c_round64)
+    c_term = c_abs * c_abs_sum.to(tl.float64)
+    if SQUARES:
+        prob = c_sq * tl.sqrt(c_sq_sum.to(tl.float64)) + c_coh * tl.abs(c_sum).to(tl.float64)
+        normal = (c_sq_sum >= 1.1754943508222875e-38) & (c_sq_sum < float("inf"))
+        c_term = tl.where(normal, tl.minimum(prob, c_term), c_term)
+    else:
+        c_term = c_term + c_coh * tl.abs(c_sum).to(tl.float64)
+    threshold = threshold + c_term
     inputs_bad = row_bad[:, None] | w_bad
     # sqrt(K (var + mu^2)) bounds the row's 2-norm (var bounds the true variance).
     row_norm = tl.sqrt(k_float * (var + mu64 * mu64))
@@ -348,7 +361,8 @@ def _check_kernel(
         bound = bound + bias_abs
     threshold = threshold.to(tl.float32)
     diff = tl.abs(c_sum - reference)
-    ok = diff <= threshold
+    # T reads C: infinite only where C's sums are; a finite D there is a suspect too
+    ok = (diff <= threshold) & (tl.abs(diff) < float("inf")) & (tl.abs(threshold) < float("inf"))
     overflow = ~(tl.abs(diff) < float("inf")) & ~inputs_bad & (bound >= limit)
 
     out = batch.to(tl.int64) * M * nseg + rows64[:, None] * nseg + segs[None, :]
@@ -410,6 +424,8 @@ def triton_check(req: GemmRequest) -> AbftCheck:
     values = torch.empty((2, *shape), dtype=torch.float32, device=c.device)
     flags = torch.empty((3, *shape), dtype=torch.uint8, device=c.device)
     st = layout.strides
+    a_round, c_abs, c_sq, c_coh = req.terms.coefficients(
+        c.dtype, req.alpha, req.alpha != 1.0 or bias is not None)
     with on_device(c.device):
         _check_kernel[(n_batch * n_mblocks, triton.cdiv(nseg, tiling.seg_block))](
             a, ws.br, ws.babs, c, r if r is not None else c, bias if bias is not None else c,
@@ -420,9 +436,9 @@ def triton_check(req: GemmRequest) -> AbftCheck:
             *st["c"], c.stride(-2), c.stride(-1),
             *st["bias"], *(bias.stride()[-2:] if bias is not None else (0, 0)),
             *st["agg"], p1.stride(-1),
-            effective_e_max(req.e_max, k), req.alpha, req.beta, req.rounding * UNIT_ROUNDOFF[c.dtype],
+            effective_e_max(req.e_max, k), req.alpha, req.beta, a_round, c_abs, c_sq, c_coh,
             element_floor(k, c.dtype), bias_rounding(c.dtype), overflow_limit(c.dtype),
-            HAS_WEIGHT=r is not None, HAS_BIAS=bias is not None, USE_DOT=tiling.use_dot,
+            HAS_WEIGHT=r is not None, HAS_BIAS=bias is not None, USE_DOT=tiling.use_dot, SQUARES=c_sq != 0.0,
             SEG=SEGMENT, BLOCK_M=tiling.block_m, BLOCK_K=tiling.block_k,
             SEG_BLOCK=tiling.seg_block, BLOCK_N=BLOCK_N, C2=C_ROBUST * C_ROBUST,
             num_warps=tiling.num_warps,

@@ -22,6 +22,7 @@ name                                           type       labels besides ``rank`
 ``sdc_guard_gemms_unverifiable_total``         counter    GEMM-bearing ops not verifiable
 ``sdc_guard_site_gemms_flagged_total``         counter    site (``max_sites`` + "other")
 ``sdc_guard_detections_total``                 counter    classification
+``sdc_guard_device_detections_total``          counter    node, device_id (this process's)
 ``sdc_guard_responses_total``                  counter    action
 ``sdc_guard_screen_misses_total``              counter    suspects the confirmation cleared
 ``sdc_guard_segments_checked_total``           counter    (row, segment)s screened
@@ -60,6 +61,11 @@ Choices, and why:
 - Detections are counted on the rank(s) whose GEMMs flagged (``outcome.flagged_ranks``)
   or whose gradient screen tripped (``outcome.tripped_ranks``) into a confirmed detection;
   responses on every rank, since every rank takes the response in lockstep.
+- A rank moves to another node when a job restarts; a device does not. So detections are
+  also counted by device: ``sdc_guard_device_detections_total`` carries the node and
+  device (``respond.identity``: the device's UUID where the runtime tells it, else its
+  name on the node) of this process, which lets the ``SDCSuspectDevice`` alert add up one
+  device's detections across restarts, whichever rank and job had it.
 - Sites (module paths) are unbounded in general, so they label only the flagged-GEMM
   counter, the first ``max_sites`` distinct flagged sites by name and the rest as
   ``"other"``; detections are rare, so in practice every flagged site keeps its name.
@@ -85,7 +91,10 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, make_wsgi_app, push_to_gateway
 
+import torch
+
 from .respond import distributed
+from .respond.identity import local_identity
 from .runtime.report import StepReport
 from .respond.policy import ACTIONS, CLASSIFICATIONS, StepOutcome
 
@@ -163,6 +172,9 @@ class GuardMetrics:
             ``sdc_guard_overhead_budget_ratio`` for the alert on overhead; ``None`` exports
             no budget and that alert stays silent.
         max_sites: distinct flagged sites labelled by name; later ones count as "other".
+        device: the device whose detections ``sdc_guard_device_detections_total`` counts.
+            Default: resolved at the first report (``identity.default_device()``: the
+            current CUDA device once CUDA is initialised, else the CPU).
 
     >>> import torch, sdc_guard
     >>> from prometheus_client import CollectorRegistry
@@ -181,12 +193,19 @@ class GuardMetrics:
         rank: int | None = None,
         budget: float | None = None,
         max_sites: int = 32,
+        device: torch.device | str | None = None,
     ) -> None:
         if registry is not None and not isinstance(registry, CollectorRegistry):
             raise TypeError(f"registry: expected a prometheus_client.CollectorRegistry or None, "
                             f"got {type(registry).__name__}")
         if isinstance(max_sites, bool) or not isinstance(max_sites, int) or max_sites < 0:
             raise ValueError(f"max_sites: expected a non-negative int, got {max_sites!r}")
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (TypeError, RuntimeError):
+                raise ValueError(f"device: expected a torch.device, a device name such as 'cuda:0', or None, "
+                                 f"got {type(device).__name__} {device!r}") from None
         self.registry = registry if registry is not None else CollectorRegistry()
         self.rank = _resolve_rank(rank)
         self.budget = _check_budget(budget)
@@ -196,7 +215,11 @@ class GuardMetrics:
         self._push_target: dict[str, Any] | None = None
         self._warned: set[str] = set()
         self._sites: set[str] = set()
+        self._device = device
+        self._device_series: Any = None  #: this process's child of the device counter, once resolved
         self._create()
+        if device is not None:
+            self._device_counter()
 
     # --- metric definitions --------------------------------------------------------------
 
@@ -236,6 +259,10 @@ class GuardMetrics:
         self._detections = c("sdc_guard_detections", "Detections on this rank by triage classification.",
                              "classification")
         self._responses = c("sdc_guard_responses", "Responses taken (on every rank, in lockstep).", "action")
+        self._device_detections = c("sdc_guard_device_detections",
+                                    "Detections on this process's device, by node and device (its UUID where "
+                                    "known): summed across restarts by the SDCSuspectDevice alert.",
+                                    "node", "device_id")
         self._verify_seconds = c("sdc_guard_verify_seconds",
                                  "Verification time, re-executions included.").labels(rank=r)
         self._guard_seconds = c("sdc_guard_guard_seconds",
@@ -288,6 +315,7 @@ class GuardMetrics:
         if not isinstance(report, StepReport):
             raise TypeError(f"report: expected a sdc_guard.StepReport, got {type(report).__name__}")
         now = time.time()
+        self._device_counter()  # the series exists from the first report on, at 0
         self._verify_seconds.inc(max(report.verify_seconds, 0.0))
         self._guard_seconds.inc(max(report.guard_seconds, 0.0))
         self._calibration_seconds.inc(max(report.calibration_seconds, 0.0))
@@ -335,12 +363,22 @@ class GuardMetrics:
         rank = outcome.report.rank
         if outcome.classification is not None and (rank in outcome.flagged_ranks or rank in outcome.tripped_ranks):
             self._detections.labels(rank=r, classification=outcome.classification).inc()
+            self._device_counter().inc()
         if outcome.screen == "miss":
             self._gradient_misses.inc()
         if outcome.action is not None:
             self._responses.labels(rank=r, action=outcome.action).inc()
         if outcome.action in ("exit", "raise") and self._push_target is not None:
             self.push(**self._push_target)
+
+    def _device_counter(self) -> Any:
+        """This process's child of ``sdc_guard_device_detections_total`` (created at 0 the
+        first time, when the device is known)."""
+        if self._device_series is None:
+            ident = local_identity(self._device)
+            self._device_series = self._device_detections.labels(rank=str(self.rank), node=ident.node,
+                                                                 device_id=ident.device_id)
+        return self._device_series
 
     def _site_label(self, site: str) -> str:
         if site in self._sites:

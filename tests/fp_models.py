@@ -86,7 +86,7 @@ def softmax_grad_rows(v: int, n: int, *, ignore_every: int = 64,
 class HFSpec:
     """A small ``transformers`` model, built from a config with random init."""
 
-    arch: str  #: "llama", "qwen2", "mistral", "gpt2", "bert"
+    arch: str  #: "llama", "qwen2", "mistral", "gpt2", "bert", "mixtral", "qwen2moe", "t5", "bart"
     hidden: int = 128
     layers: int = 2
     heads: int = 4
@@ -117,13 +117,26 @@ def build_hf(spec: HFSpec, seed: int = 0) -> nn.Module:
         return tf.BertForMaskedLM(tf.BertConfig(hidden_size=spec.hidden, num_hidden_layers=spec.layers,
                                                 num_attention_heads=spec.heads, intermediate_size=4 * spec.hidden,
                                                 max_position_embeddings=spec.ctx, **common))
-    raise ValueError(f"arch: expected llama, qwen2, mistral, gpt2 or bert, got {spec.arch!r}")
+    if spec.arch == "mixtral":  # eager experts: plain GEMMs (torch._grouped_mm is counted unverified)
+        return tf.MixtralForCausalLM(tf.MixtralConfig(num_key_value_heads=max(1, spec.heads // 2), num_local_experts=4,
+                                                      num_experts_per_tok=2, experts_implementation="eager", **decoder))
+    if spec.arch == "t5":  # relative position bias: no position in K and V, repeated tokens repeat their rows
+        return tf.T5ForConditionalGeneration(tf.T5Config(d_model=spec.hidden, d_kv=spec.hidden // spec.heads,
+                                                         d_ff=2 * spec.hidden, num_layers=spec.layers,
+                                                         num_heads=spec.heads, decoder_start_token_id=0,
+                                                         pad_token_id=0, **common))
+    raise ValueError(f"arch: expected llama, qwen2, mistral, gpt2, bert, mixtral or t5, got {spec.arch!r}")
 
 
 def char_tokens(data: "sdc_guard.tools.toy_gpt.CharData", step: int, batch: int, ctx: int) -> Tensor:
     """``[batch, ctx + 1]`` windows of the package's character corpus."""
     x, y = data.batch(step, batch, ctx)
     return torch.cat([x, y[:, -1:]], dim=1)
+
+
+def seq2seq_loss(model: nn.Module, seq: Tensor) -> Tensor:
+    """An encoder-decoder's own loss on ``seq`` in and ``seq`` one step ahead out."""
+    return model(input_ids=seq[:, :-1].contiguous(), labels=seq[:, 1:].contiguous()).loss.float()
 
 
 def causal_lm_loss(model: nn.Module, seq: Tensor) -> Tensor:

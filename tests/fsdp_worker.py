@@ -7,7 +7,10 @@ process group, once per scenario:
   each rank trains on its own batch (data parallel);
 - ``tp``: tensor parallelism, the MLP of each block split ``ColwiseParallel`` (fc1) /
   ``RowwiseParallel`` (fc2) over a 1-D device mesh, everything else replicated; every
-  rank trains on the same batch.
+  rank trains on the same batch;
+- ``fsdp_compile``: as torchtitan trains: each block under activation checkpointing and
+  compiled on its own (``aot_eager``), then ``fully_shard`` on each block and the root; the
+  transient fault hits a GEMM the backward recomputes.
 
 Scenarios: ``bare`` (no guard), ``clean`` (under ``protect()``), ``transient`` (one GEMM
 output corrupted once on rank 1), ``persistent`` (a sticky fault on the last rank from
@@ -52,8 +55,10 @@ SCENARIOS = ("bare", "clean", "transient", "persistent")
 
 def shard(model: torch.nn.Module, kind: str, world_size: int) -> torch.nn.Module:
     mesh = init_device_mesh("cpu", (world_size,))
-    if kind == "fsdp":
+    if kind in ("fsdp", "fsdp_compile"):
         for block in model.blocks:
+            if kind == "fsdp_compile":
+                block.compile(backend="aot_eager")
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     else:
@@ -75,6 +80,8 @@ def gathered_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[s
 
 
 def faults_for(scenario: str, kind: str, rank: int, world_size: int) -> tuple:
+    if scenario == "transient" and rank == 1 and kind == "fsdp_compile":  # fc1 run again in the backward
+        return (sdc_guard.GemmFault(site="blocks.0.fc1", phase="backward", op="addmm", step=2),)
     if scenario == "transient" and rank == 1:
         return (sdc_guard.GemmFault(site="blocks.0.fc1", phase="forward", step=2),)
     if scenario == "persistent" and rank == world_size - 1:
@@ -83,7 +90,8 @@ def faults_for(scenario: str, kind: str, rank: int, world_size: int) -> tuple:
 
 
 def train(kind: str, scenario: str, rank: int, world_size: int) -> dict[str, Any]:
-    model = shard(make_model(), kind, world_size)
+    torch._dynamo.reset()  # each scenario compiles afresh, as a job of its own would
+    model = shard(make_model(ac="block") if kind == "fsdp_compile" else make_model(), kind, world_size)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     data_rank = rank if kind == "fsdp" else 0  # TP ranks share the batch
     states, outcomes, reports = [], [], []
@@ -104,7 +112,8 @@ def train(kind: str, scenario: str, rank: int, world_size: int) -> dict[str, Any
             outcome = guard.optimizer_step(opt, closure_for(model, opt, step, data_rank))
             report = outcome.report  # the step's first run
             reports.append({"seen": report.seen, "verified": report.verified, "flagged": report.flagged,
-                            "unverified": dict(report.unverified_ops), "cache_hits": guard.cache.stats.hits})
+                            "unverified": dict(report.unverified_ops), "cache_hits": guard.cache.stats.hits,
+                            "compiled": guard.compiled})
             outcomes.append({"step": outcome.step, "flagged_ranks": outcome.flagged_ranks,
                              "classification": outcome.classification, "action": outcome.action,
                              "stepped": outcome.stepped, "rolled_back_to": outcome.rolled_back_to,

@@ -55,21 +55,43 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    """Token embedding, ``layers`` blocks, LM head."""
+    """Token embedding, ``layers`` blocks, LM head. ``ac``: activation checkpointing of
+    every block, ``"block"`` (non-reentrant ``torch.utils.checkpoint``) or ``"selective"``
+    (the same with a policy, as torchtitan's op-level selective AC: the outputs of the
+    attention's batched matmuls saved, the rest recomputed in the backward)."""
 
-    def __init__(self, vocab: int = 64, d: int = 32, heads: int = 4, layers: int = 2, ctx: int = 16) -> None:
+    def __init__(self, vocab: int = 64, d: int = 32, heads: int = 4, layers: int = 2, ctx: int = 16,
+                 ac: str | None = None) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.zeros(ctx, d))
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab)
+        self.ac = ac
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
         x = self.tok(idx) + self.pos[: idx.shape[1]]
         for block in self.blocks:
-            x = block(x)
+            if self.ac == "block":
+                x = checkpoint(block, x, use_reentrant=False)
+            elif self.ac == "selective":
+                x = checkpoint(block, x, use_reentrant=False, context_fn=selective_ac)
+            else:
+                x = block(x)
         return self.head(self.ln(x))
+
+
+def _save_bmm(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
+    from torch.utils.checkpoint import CheckpointPolicy
+    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.bmm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_ac():  # type: ignore[no-untyped-def]
+    """The contexts of a selective activation checkpoint that saves ``bmm`` outputs."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    return create_selective_checkpoint_contexts(_save_bmm)
 
 
 def lm_batch(step: int, batch: int = 4, ctx: int = 16, vocab: int = 64) -> tuple[torch.Tensor, torch.Tensor]:

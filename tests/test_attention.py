@@ -72,7 +72,8 @@ def test_confirmation_examines_at_most_limit_heads_on_the_host() -> None:
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False)
     ops = AttentionOperands(q, k, v, None, False, default_scale(16, None))
     bad = out.clone()
-    bad[0, :, 3, 0] += torch.arange(1, 21.0) * 10  # head h off by 10 (h + 1): the last heads are the worst
+    # head h off by 10 (h + 1) of its row's clean threshold: the last heads are the worst
+    bad[0, :, 3, 0] += torch.arange(1, 21.0) * 10 * forward_screen(ops, out).threshold[0, :, 3]
     check = forward_screen(ops, bad)
     assert int((~check.ok).sum()) == 20
     default = confirm_forward(ops, bad, check, on_host=True)
@@ -81,7 +82,7 @@ def test_confirmation_examines_at_most_limit_heads_on_the_host() -> None:
     do = torch.randn_like(out)
     dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, out, lse, 0.0, False)
     dv = dv.clone()
-    dv[0, :, 3, 0] += torch.arange(1, 21.0) * 10
+    dv[0, :, 3, 0] += torch.arange(1, 21.0) * 10 * backward_screen(ops, do, out, dq, dk, dv).dv.threshold[0, :, 3]
     bcheck = backward_screen(ops, do, out, dq, dk, dv)
     assert int((~bcheck.dv.ok).sum()) == 20
     assert int(confirm_backward(ops, do, out, dq, dk, dv, bcheck, on_host=True)[2].sdc.sum()) == HOST_HEADS

@@ -210,23 +210,56 @@ def test_detect_attention_bad_arguments(capsys: pytest.CaptureFixture[str]) -> N
 
 
 @pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
-def test_detect_training_reports_what_each_sampler_catches_by_bit_class(tmp_path: Path) -> None:
-    report = bench(tmp_path, "detect", "--training", "--trials", "4")
-    names = ["Full()", "Budget(0.05)", "Screened()", "Screened(Budget(0.05))"]
+def test_detect_training_reports_what_each_sampler_catches_by_fault_class(tmp_path: Path) -> None:
+    classes = ["exponent (top)", "stuck lane", "zeroed tile", "nan"]
+    report = bench(tmp_path, "detect", "--training", "--trials", "1", "--models", "toy:32/32/4/1/3e-3",
+                   "--faults", ",".join(classes))
+    names = ["Full()", "Budget(0.05)", "EveryN(8)", "Screened(sigmas=inf, factor=10)", "Screened()",
+             "Screened(Budget(0.05))"]
     assert report["mode"] == "training" and report["samplers"] == names
+    (section,) = report["sections"]
+    assert section["model"] == "toy:32/32/4/1/3e-3" and section["precision"] == "fp32"
     rows = {r["class"]: r for r in report["results"]}
-    assert list(rows) == ["sign", "exponent (top)", "exponent", "mantissa", "all"]
-    assert all(rows[c]["trials"] == 1 for c in ("sign", "exponent (top)", "exponent", "mantissa"))
-    trials = report["trials"]
-    assert [t["class"] for t in trials] == ["sign", "exponent (top)", "exponent", "mantissa"]
-    top = trials[1]
-    assert top["changed"] and top["caught"]["Full()"]  # a flipped top exponent bit: caught by the check
-    for t in trials:  # the screen beside a Budget sees what the screen alone sees, and the Budget's sweeps
+    assert list(rows) == [*classes, "all"] and all(rows[c]["trials"] == 1 for c in classes)
+    trials = {t["class"]: t for t in section["trials"]}
+    top, stuck, nan = trials["exponent (top)"], trials["stuck lane"], trials["nan"]
+    assert top["caught"]["Full()"] and nan["caught"]["Full()"]  # the GEMM check sees both
+    assert nan["update_change"] == float("inf") or nan["update_change"] is None  # JSON writes inf as null
+    assert nan["caught"]["Screened()"] and nan["how"]["Screened()"] == "transient"  # a non-finite gradient trips
+    assert stuck["kind"] == "stuck" and stuck["gemms_hit"] > 1  # a faulty lane hits every GEMM of the step
+    assert trials["zeroed tile"]["kind"] == "zero_tile" and trials["zeroed tile"]["elements"] > 1
+    for t in trials.values():  # the screen beside a Budget sees what the screen alone sees, and the sweeps
         assert t["caught"]["Screened(Budget(0.05))"] >= t["caught"]["Screened()"]
-        assert t["harmful"] == (t["update_change"] > 0.01)
-    everything = rows["all"]["samplers"]
-    assert everything["Full()"]["caught"] == sum(t["caught"]["Full()"] for t in trials)
-    assert everything["Full()"]["harmful_let_through"] == sum(t["harmful"] and not t["caught"]["Full()"] for t in trials)
+        assert t["harmful"] == (t["update_change"] is None or t["update_change"] > 0.01)
+    everything = rows["all"]["samplers"]["Full()"]
+    assert everything["caught"] == sum(t["caught"]["Full()"] for t in trials.values())
+    assert everything["harmful_let_through"] == sum(t["harmful"] and not t["caught"]["Full()"] for t in trials.values())
+    assert section["batch_change_median"] > 0.01  # another batch moves the update: the scale of "harmful"
+
+
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
+def test_detect_training_clean_counts_the_steps_the_screen_re_executes(tmp_path: Path) -> None:
+    report = bench(tmp_path, "detect", "--training", "--clean", "--steps", "25", "--models", "toy:32/32/4/1/3e-3",
+                   "--precisions", "fp32")
+    (run,) = report["runs"]
+    assert report["mode"] == "training-clean" and report["false_alarms"] == 0 and run["steps"] == 25
+    for screen in run["screens"].values():
+        assert screen["trips"] == len(screen["trip_steps"]) == sum(screen["trip_phases"].values())
+        assert screen["verdicts"]["miss"] == screen["trips"] and screen["detections"] == 0  # a clean run: misses only
+        assert screen["reexecuted_rate"] == screen["trips"] / 25 and len(screen["sigmas"]) == 25
+    assert run["last_loss"] < run["first_loss"]  # it trains
+
+
+@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
+def test_detect_training_horizon_reports_drift_and_when_a_stuck_bit_was_caught(tmp_path: Path) -> None:
+    report = bench(tmp_path, "detect", "--training", "--horizon", "3", "--models", "toy:32/32/4/1/3e-3",
+                   "--horizon-bits", "26")
+    (run,) = report["runs"]
+    assert report["mode"] == "training-horizon" and run["bit"] == 26 and report["settings"]["steps"] == 3
+    assert run["samplers"]["Full()"]["first_caught"] == 0  # the top exponent bit stuck: caught at its first step
+    assert run["samplers"]["Full()"]["steps_caught"] >= 1
+    assert run["faulty_loss"] != run["clean_loss"] and run["drift"] == run["faulty_loss"] - run["clean_loss"]
+    assert run["elements_per_step"] >= 1
 
 
 @pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
@@ -306,6 +339,42 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "expected names from" in capsys.readouterr().err
 
 
+def test_a_training_copy_put_back_twice_takes_the_same_step() -> None:
+    """The fault bench puts a copy back more than once from one saved state (the faulty
+    step, a change of batch, the clean step): each must start from the same state."""
+    from sdc_guard.tools.training_runs import Copy, default_schedule, relative_change, workloads
+
+    (work,) = workloads(["toy:32/32/4/1/3e-3"], 0)
+    c = Copy(work, default_schedule(work, 20), "fp32", None)
+    for step in range(5):
+        c.step(step)
+    state, before = c.state(), c.params()
+    c.step(5)
+    first = c.params()
+    c.restore(state, 5)
+    c.step(5, batch=6)
+    other = c.params()
+    c.restore(state, 5)
+    c.step(5)
+    assert relative_change(before, first, c.params()) == 0.0
+    assert relative_change(before, other, c.params()) > 0.01  # another batch: another update
+
+
+def test_detect_training_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    for args, message in ((["--trials", "0"], "trials: expected a positive int, got 0"),
+                          (["--horizon", "0"], "horizon: expected a positive int, got 0"),
+                          (["--clean", "--horizon", "5"], "--clean and --horizon: expected one of them, got both"),
+                          (["--horizon", "5", "--horizon-bits", "0,16", "--precisions", "bf16", "--models",
+                            "toy:32/32/4/1/3e-3"], "horizon-bits: expected 0..15 for bf16 outputs, got 16")):
+        assert cli.main(["bench", "detect", "--training", "--quiet", *args]) == 2
+        assert message in capsys.readouterr().err
+    for args, message in ((["--models", "gpt2"], "models: expected a comma list of toy:"),
+                          (["--faults", "sign,burst"], "faults: expected names from")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["bench", "detect", "--training", *args])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_helpers() -> None:
     assert parse_shape("2X3x4") == (2, 3, 4)
     with pytest.raises(ValueError, match="MxKxN"):
@@ -318,14 +387,17 @@ def test_helpers() -> None:
 
 @pytest.mark.slow  # integration-heavy (a subprocess, inductor compiling a model): see CONTRIBUTING.md
 def test_train_compiled(tmp_path: Path) -> None:
-    report = bench(tmp_path, "train", "--compile", "--steps", "2", "--warmup", "1", "--d-model", "32", "--layers",
-                   "1", "--heads", "2", "--ctx", "16", "--vocab", "32", "--batch", "2", "--window", "3")
+    report = bench(tmp_path, "train", "--compile", "--ac", "--steps", "2", "--warmup", "1", "--d-model", "32",
+                   "--layers", "1", "--heads", "2", "--ctx", "16", "--vocab", "32", "--batch", "2")
     rows = {(r["mode"], r["config"]): r for r in report["results"]}
-    budget = "Budget(0.05, window=3)"
+    budget = "Budget(0.05)"
     assert list(rows) == [(mode, config) for mode in ("compiled", "eager") for config in ("baseline", "Full()", budget)]
-    # one block (4 linear + 2 matmul forward, two gradients each) and the head: every GEMM, both routes
-    assert rows[("compiled", "Full()")]["gemms_verified_per_step"] == rows[("eager", "Full()")]["gemms_verified_per_step"] == 21
+    # one checkpointed block (4 linear + 2 matmul forward, two gradients each) and the head:
+    # 21 GEMMs, and what each route's recomputation runs again (eager checkpointing stops
+    # once it has what the backward needs; the partitioner recomputes its own choice)
+    assert rows[("compiled", "Full()")]["gemms_verified_per_step"] == 27
+    assert rows[("eager", "Full()")]["gemms_verified_per_step"] == 26
     assert all(r["flagged"] == 0 and r["step_ms_median"] > 0 for r in rows.values())
     assert rows[("compiled", "baseline")]["overhead_cpu"] == 0.0
-    assert set(report["targets"]) == {"full_compiled_le_20pct", "budget_compiled_le_7pct"}
+    assert set(report["targets"]) == {"full_compiled_le_12pct", "budget_compiled_le_5pct"} and report["settings"]["ac"]
     assert all({"measured", "measured_cpu", "met", "met_cpu"} <= set(t) for t in report["targets"].values())

@@ -103,6 +103,11 @@ HF = {
     "gpt2-eager-fp16": (fm.HFSpec("gpt2", hidden=64, vocab=512, ctx=65), "fp16", 80, 8, 32, 1e-3, "structured"),
     "bert-eager-bf16": (fm.HFSpec("bert", vocab=1000, ctx=65), "bf16", 80, 8, 64, 1e-3, "structured"),
     "bert-sdpa-fp32": (fm.HFSpec("bert", vocab=1000, ctx=65, attn="sdpa"), "fp32", 60, 8, 64, 1e-3, "structured"),
+    # a mixture of experts (router GEMMs of N = 4, expert GEMMs on the tokens routed to them)
+    # and an encoder-decoder with relative position bias (repeated tokens give repeated rows
+    # of K and V, whose products round alike): short runs; bench fp --models all has more
+    "mixtral-eager-bf16": (fm.HFSpec("mixtral", vocab=1000, ctx=65), "bf16", 20, 8, 64, 2e-3, "structured"),
+    "t5-bf16": (fm.HFSpec("t5", vocab=1000, ctx=65), "bf16", 20, 8, 64, 1e-3, "structured"),
 }
 
 
@@ -119,6 +124,8 @@ def test_transformers_model(name: str) -> None:
 
     if spec.arch == "bert":
         loss_of = lambda m, step: fm.masked_lm_loss(m, tokens(step), step)  # noqa: E731
+    elif spec.arch == "t5":
+        loss_of = lambda m, step: fm.seq2seq_loss(m, tokens(step))  # noqa: E731
     else:
         loss_of = lambda m, step: fm.causal_lm_loss(m, tokens(step))  # noqa: E731
     record = fm.train_guarded(f"transformers {name}", model, loss_of, steps, precision=precision, lr=lr)

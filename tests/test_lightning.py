@@ -313,3 +313,44 @@ def test_screened_sampler_reexecutes_a_tripped_step_and_weights_match_the_clean_
     assert outcomes[3].reruns[0].verified == 21 and outcomes[3].reruns[0].flagged == 0
     assert callback.classifications == {"transient": 1} and callback.totals["detections"] == 1
     assert all(torch.equal(a, b) for a, b in zip(params(module), params(clean)))
+
+
+class QuietGPT(LitGPT):
+    """``LitGPT`` without ``self.log`` in ``training_step``: Lightning compiles the
+    training step of a compiled module too, and dynamo (torch 2.13) fails on
+    ``LightningModule.log``'s signature inspection, guarded or not."""
+
+    def training_step(self, batch, batch_idx):
+        return self._loss(batch)
+
+
+def test_compiled_lightning_module_compiles_is_verified_and_leaves_no_trace(tmp_path: Path) -> None:
+    """``Trainer.fit(torch.compile(module))`` under ``SDCGuard``: the module compiles (as
+    many graphs as without the callback; before, none), every GEMM is checked in its graphs
+    and a drilled fault is answered; after the fit the compiled steps run without checks."""
+    from torch._dynamo.utils import counters
+
+    from sdc_guard.runtime import graph_checks
+
+    def run(callback, faults=()):
+        torch._dynamo.reset()
+        counters.clear()
+        module = QuietGPT()
+        fit(torch.compile(module, backend="aot_eager"), callback, tmp_path, steps=3, faults=faults)
+        return module
+
+    run(Callback())
+    unguarded = counters["stats"]["unique_graphs"]
+    guard = sdc_guard.SDCGuard(metrics_port=None)
+    module = run(guard)
+    assert counters["stats"]["unique_graphs"] == unguarded > 0 and guard.guard.compiled
+    assert [(r.seen, r.verified, r.unverified_ops) for r in guard.guard.reports] == [(21, 21, {})] * 3
+    before = graph_checks.checks_run()
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    module.training_step((x, x), 0).backward()
+    assert graph_checks.checks_run() == before and counters["frames"]["ok"] > 0
+    guard = sdc_guard.SDCGuard(metrics_port=None)
+    run(guard, faults=(GemmFault(site="model.blocks.0.fc1", phase="forward", step=1),))
+    hit = [r for r in guard.guard.reports if r.flagged]
+    assert hit and [d.site for d in hit[0].detections] == ["model.blocks.0.fc1"]
+    assert guard.guard.outcomes[1].classification == "transient"

@@ -176,6 +176,30 @@ def test_detections_count_on_the_flagged_rank_and_responses_on_every_rank() -> N
     assert counts(registry, "sdc_guard_responses_total", "action")["skip"] == 2
 
 
+def test_detections_are_counted_by_node_and_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The series an alert adds up across restarts: this process's node and device, from
+    its first report on (at 0), one per detection on this rank."""
+    monkeypatch.setenv("SDC_GUARD_NODE", "gpu-node-9")
+    registry = CollectorRegistry()
+    metrics = GuardMetrics(registry, rank=0)
+    name, labels = "sdc_guard_device_detections_total", {"node": "gpu-node-9", "device_id": "cpu"}
+    assert value(registry, name, **labels) is None  # the device is not known before a report
+    run(metrics, 2)
+    assert value(registry, name, **labels) == 0
+    run(metrics, 4, GemmFault(site="head", step=1, sticky=True), remove_after=2)  # persistent, rolled back
+    run(metrics, 4, GemmFault(site="head", phase="forward", step=1))  # transient
+    assert value(registry, name, **labels) == 2
+    # another rank's detection is not this device's
+    outcome = run(metrics, 1, GemmFault(site="head", phase="forward", step=0), policy=Policy(on_detection="skip"))[0][0]
+    metrics.observe_outcome(dataclasses.replace(outcome, flagged_ranks=[1]))
+    assert value(registry, name, **labels) == 3
+    explicit = CollectorRegistry()
+    GuardMetrics(explicit, rank=0, device="cpu")  # a device given: the series exists at once
+    assert value(explicit, name, **labels) == 0
+    with pytest.raises(ValueError, match="device: expected a torch.device"):
+        GuardMetrics(CollectorRegistry(), device="gpu:zero")
+
+
 def test_flagged_sites_beyond_max_sites_are_labelled_other() -> None:
     registry = CollectorRegistry()
     # every forward addmm corrupted (a moderate bit, so that nothing turns non-finite):
@@ -310,14 +334,16 @@ def test_push_sends_every_metric_grouped_by_rank_and_again_on_exit() -> None:
 
 def test_promtool_checks_the_config_and_rules_and_runs_the_rule_tests() -> None:
     promtool = require("promtool")
+    tests = sorted(p.name for p in PROM_DIR.glob("*_test.yml"))  # alerts_test.yml, alerts_devices_test.yml
     for args in (["check", "rules", "alerts.yml"], ["check", "config", "prometheus.yml"],
-                 ["test", "rules", "alerts_test.yml"]):
+                 ["test", "rules", *tests]):
         result = subprocess.run([promtool, *args], cwd=PROM_DIR, capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, f"promtool {' '.join(args)}:\n{result.stdout}\n{result.stderr}"
-    tested = set(re.findall(r"alertname: (\w+)", (PROM_DIR / "alerts_test.yml").read_text()))
+    tested = {a for t in tests for a in re.findall(r"alertname: (\w+)", (PROM_DIR / t).read_text())}
     defined = set(re.findall(r"- alert: (\w+)", (PROM_DIR / "alerts.yml").read_text()))
     assert {"SDCDetected", "SDCPersistentFault", "SDCRepeatedOnRank", "SDCGuardOverheadAboveBudget",
-            "SDCGuardNotReporting", "SDCGuardAbsent", "SDCGuardScreenMissesHigh"} == defined == tested
+            "SDCGuardNotReporting", "SDCGuardAbsent", "SDCGuardScreenMissesHigh", "SDCSuspectDevice"} == \
+        defined == tested
 
 
 def exported_names(registry: CollectorRegistry) -> set[str]:
@@ -354,11 +380,11 @@ def dashboard_queries() -> list[str]:
 class Prometheus:
     """A Prometheus server on loopback with its own data directory; HTTP API helpers."""
 
-    def __init__(self, binary: str, tmp: Path, target: str) -> None:
+    def __init__(self, binary: str, tmp: Path, *targets: str) -> None:
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(PROM_DIR / "alerts.yml")],
-            "scrape_configs": [{"job_name": "sdc_guard", "static_configs": [{"targets": [target]}]}],
+            "scrape_configs": [{"job_name": "sdc_guard", "static_configs": [{"targets": list(targets)}]}],
         }
         (tmp / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
         self.base = f"http://127.0.0.1:{free_port()}"
@@ -458,7 +484,7 @@ def test_real_prometheus_scrapes_a_training_run_and_fires_the_sdc_alert(tmp_path
         assert firing == {"SDCDetected"}  # not persistent, not repeated, not absent
 
         rules = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
-        assert len(rules) == 7 and all(r["health"] == "ok" for r in rules), rules
+        assert len(rules) == 8 and all(r["health"] == "ok" for r in rules), rules
         for expr in dashboard_queries():  # the dashboard's queries are valid PromQL here
             prometheus.api("query", query=expr)
     finally:
@@ -467,3 +493,57 @@ def test_real_prometheus_scrapes_a_training_run_and_fires_the_sdc_alert(tmp_path
             trainer.join(timeout=30)
         prometheus.stop()
         metrics.close()
+
+
+@pytest.mark.slow
+def test_real_prometheus_names_the_suspect_device_across_a_restart(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs on one node and device, one after the other, as a job and its restart on
+    another rank (each with its own endpoint): a transient fault in each. Neither run
+    alone is repeated on its rank; SDCSuspectDevice adds them up and names the device."""
+    binary = require("prometheus")
+    monkeypatch.setenv("SDC_GUARD_NODE", "gpu-node-9")
+    runs = [GuardMetrics(CollectorRegistry(), rank=rank) for rank in (0, 3)]
+    urls = [m.serve(port=0) for m in runs]
+    assert all(urls)
+    targets = [urllib.parse.urlsplit(u).netloc for u in urls]
+    prometheus = Prometheus(binary, tmp_path, *targets)
+    deadline = time.monotonic() + 60
+    device = 'sdc_guard_device_detections_total{node="gpu-node-9", device_id="cpu"}'
+
+    def train(metrics: GuardMetrics) -> None:
+        """Train until Prometheus has scraped this run's detection (at step 2)."""
+        model = make_model()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        with sdc_guard.drill(model, GemmFault(site="blocks.0.fc1", phase="forward", step=2)), \
+                sdc_guard.protect(model, metrics=metrics) as guard:
+            for step in range(400):
+                guard.optimizer_step(opt, closure_for(model, opt, step))
+                if prometheus.query(device).get(str(metrics.rank)) == 1.0:
+                    return
+                time.sleep(0.05)
+        pytest.fail(f"the detection was never scraped: {prometheus.query(device)}")
+
+    def suspect() -> dict | None:
+        return next((a for a in prometheus.api("alerts")["alerts"]
+                     if a["labels"]["alertname"] == "SDCSuspectDevice" and a["state"] == "firing"), None)
+
+    try:
+        prometheus.wait("prometheus to be ready", lambda: get(f"{prometheus.base}/-/ready"), deadline)
+        prometheus.wait("both targets scraped", lambda: prometheus.query('count(up{job="sdc_guard"} == 1)') == {"": 2.0},
+                        deadline)
+        train(runs[0])
+        runs[0].close()  # the first run exits; its series go stale
+        time.sleep(2)
+        assert suspect() is None  # one detection on the device so far
+        train(runs[1])
+        alert = prometheus.wait("SDCSuspectDevice to fire", suspect, deadline)
+        assert alert["labels"] == {"alertname": "SDCSuspectDevice", "severity": "critical",
+                                   "node": "gpu-node-9", "device_id": "cpu"}
+        assert float(alert["value"]) == 2.0
+        firing = {a["labels"]["alertname"] for a in prometheus.api("alerts")["alerts"] if a["state"] == "firing"}
+        assert "SDCRepeatedOnRank" not in firing  # one flagged step on each rank
+    finally:
+        prometheus.stop()
+        for metrics in runs:
+            metrics.close()

@@ -116,6 +116,27 @@ def test_shapes_agree(dtype: torch.dtype, shape: tuple[int, int, int]) -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("terms", ["tight", "earlier", "share"])
+@pytest.mark.parametrize("c_layout", ["row", "col"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_screen_terms_agree(dtype: torch.dtype, c_layout: str, terms: str) -> None:
+    """Every combination of C's terms the kernel takes (``precision.ScreenTerms``): the
+    tight screen (squares, the coherent term, the rigorous cap), the earlier screen (no
+    term that reads C: the kernel must not read the sums it did not fill) and a share of
+    the rigorous term, on row- and column-major C, with a bias."""
+    from sdc_guard.core.precision import ScreenTerms, screen_terms
+
+    chosen = {"tight": screen_terms("tight", dtype, torch.device("cpu")),
+              "earlier": ScreenTerms(acc=2.0**-8, bounded=0.0),
+              "share": ScreenTerms(bounded=0.5, coherent=0.25)}[terms]
+    a, b = randn(37, 70, dtype=dtype, seed=3), randn(70, 300, dtype=dtype, seed=4)
+    bias = randn(300, dtype=dtype, seed=5)
+    c = layout((product(a, b).float() + bias.float()).to(dtype), c_layout)
+    got, want = assert_agrees(request(a, b, c, bias=bias, rounding=chosen))
+    assert bool(want.ok.all())
+
+
+@needs_native
 def test_column_major_c() -> None:
     a, b = randn(20, 64, seed=5), randn(64, 300, seed=6)
     c = layout(a @ b, "col")

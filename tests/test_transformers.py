@@ -189,3 +189,33 @@ def test_screened_sampler_reexecutes_a_tripped_step_and_weights_match_the_clean_
         (3, "transient", "transient", "recompute")]
     assert tripped[0].reruns[0].verified == GEMMS_PER_STEP and not tripped[0].reruns[0].flagged
     assert all(torch.equal(a, b) for a, b in zip(params(trainer.model), clean["final"]))
+
+
+def test_torch_compile_true_compiles_is_verified_and_leaves_no_trace(tmp_path: Path) -> None:
+    """``TrainingArguments(torch_compile=True)`` under the callback: the model compiles (as
+    many graphs as without the callback; before, dynamo compiled nothing under the guard),
+    every GEMM is checked in its graphs, a drilled fault is caught at its module, and after
+    the run the compiled model runs its graphs without checks."""
+    from torch._dynamo.utils import counters
+
+    from sdc_guard.runtime import graph_checks
+
+    def run(callback, faults=()):
+        torch._dynamo.reset()
+        counters.clear()
+        return train(callback, tmp_path / str(len(faults)) / str(callback is None), steps=3, faults=faults,
+                     torch_compile=True, torch_compile_backend="aot_eager")
+
+    run(None)
+    unguarded = counters["stats"]["unique_graphs"]
+    callback = SDCGuardCallback(metrics_port=None)
+    trainer = run(callback, faults=(GemmFault(site=ATTN, phase="backward", step=1),))
+    assert counters["stats"]["unique_graphs"] == unguarded > 0 and callback.guard.compiled
+    assert [(r.seen, r.verified, r.unverified_ops) for r in list(callback.guard.reports)[:3]] == \
+        [(GEMMS_PER_STEP, GEMMS_PER_STEP, {})] * 3
+    hit = [r for r in callback.guard.reports if r.flagged]
+    assert hit and {d.site for d in hit[0].detections} == {ATTN}
+    before, frames = graph_checks.checks_run(), counters["frames"]["ok"]
+    batch = {"input_ids": torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))}
+    trainer.model_wrapped(**batch, labels=batch["input_ids"]).loss.backward()  # outside the callback's steps
+    assert graph_checks.checks_run() == before and counters["frames"]["ok"] >= frames

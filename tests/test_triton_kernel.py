@@ -85,6 +85,22 @@ def test_2d_agrees_and_passes(dtype: torch.dtype, m: int) -> None:
 
 
 @pytest.mark.slow  # variants under the Triton interpreter (0.3-1.7 s each): CONTRIBUTING.md
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_tight_screen_agrees(dtype: torch.dtype) -> None:
+    """The tight screen's terms (squares, the coherent term, the rigorous cap), with a bias
+    and a corrupted segment: the same verdicts and thresholds as the torch backend."""
+    from sdc_guard.core.precision import screen_terms
+
+    terms = screen_terms("tight", dtype, torch.device("cpu"))
+    a, b = randn(M_DECODE, K, dtype=dtype, seed=41), randn(K, N, dtype=dtype, seed=42)
+    bias = randn(N, dtype=dtype, seed=43)
+    c = (product(a, b).float() + bias.float()).to(dtype)
+    c[3, 280] = (c[3, 280].float() + 64 * c[3].float().abs().max()).to(dtype)
+    got, _ = assert_agrees(request(a, b, c, bias=bias, rounding=terms))
+    assert torch.argwhere(~got.ok).tolist() == [[3, 1]]
+
+
+@pytest.mark.slow  # variants under the Triton interpreter (0.3-1.7 s each): CONTRIBUTING.md
 @pytest.mark.parametrize("m", [M_DECODE, M_DOT])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_linear_weight_transposed(dtype: torch.dtype, m: int) -> None:
@@ -386,12 +402,14 @@ _COMPILE_SCRIPT = textwrap.dedent(
         lambda *args, **kw: compiled.append(self.warmup(*args, grid=grid, **kw)))
 
     from sdc_guard.backends import GemmRequest
+    from sdc_guard.core.precision import screen_terms
     from sdc_guard.kernels import vabft_triton as vt
-    for m, dtype, extras in ((1, torch.bfloat16, False), (40, torch.float16, True),
-                             (40, torch.float32, False)):
+    tight = screen_terms("tight", torch.bfloat16, torch.device("cuda"))  # the squares' variant
+    for m, dtype, extras, terms in ((1, torch.bfloat16, False, None), (40, torch.float16, True, None),
+                                    (40, torch.float32, False, None), (40, torch.bfloat16, False, tight)):
         a, w = torch.randn(2, m, 70).to(dtype), torch.randn(300, 70).to(dtype)
         kw = {"bias": torch.randn(300), "checksum_weight": torch.rand(300)} if extras else {}
-        vt.triton_check(GemmRequest(a, w.t(), a @ w.t(), 1e-3, **kw))
+        vt.triton_check(GemmRequest(a, w.t(), a @ w.t(), 1e-3, rounding=terms, **kw))
     names = sorted({k.name for k in compiled})
     assert all("cubin" in k.asm for k in compiled), "no cubin"
     print(len(compiled), names)
@@ -407,5 +425,5 @@ def test_kernels_compile_for_sm90() -> None:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     count, names = done.stdout.split(" ", 1)
-    assert int(count) == 9  # three calls x (two weight-side kernels + one check kernel)
+    assert int(count) == 12  # four calls x (two weight-side kernels + one check kernel)
     assert "_check_kernel" in names and "_weight_partials_kernel" in names

@@ -4,8 +4,6 @@ C for fp16 inputs is computed as ``(a.float() @ b.float()).half()``: that is wha
 GEMM with fp32 accumulation produces, and CPU fp16 matmul is far too slow for a test.
 """
 
-import subprocess
-import sys
 import zlib
 
 import pytest
@@ -118,10 +116,12 @@ def test_high_exponent_bit_turned_on_is_always_caught(dtype: torch.dtype) -> Non
 
 
 #: Errors, in RMS of C's row, that the default screen always catches on zero-mean i.i.d.
-#: operands with K = 1024: its term for C's own rounding is the worst case
-#: ``u_C |A| @ |B|r``, which for such operands is about ``0.8 sqrt(K) u_C`` times the
-#: segment's sum |C|: about 22 RMS in bf16 (docs/ALGORITHM.md, "What it can see").
-CAUGHT_RMS = {torch.bfloat16: 64, torch.float16: 16, torch.float32: 16}
+#: operands with K = 1024: its term for C's own rounding, read from C, is at most one RMS
+#: of a full bf16 segment (``u_C sum |C| <= u_C n_s rms``; 0.8 RMS on Gaussian rows), 1/8 in
+#: fp16, and the bracket at fp32-accumulation level adds about 0.04 RMS (docs/ALGORITHM.md,
+#: "Reading C"). (The screen whose rounding term was ``u_C |A| @ |B| r`` needed about 22
+#: RMS in bf16.)
+CAUGHT_RMS = {torch.bfloat16: 2.0, torch.float16: 0.5, torch.float32: 0.25}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -331,7 +331,9 @@ def test_custom_op_meta_and_fake_tensors() -> None:
 
 
 def test_default_e_max_table_and_overrides() -> None:
-    assert default_e_max(torch.bfloat16) == 1e-3 and default_e_max(torch.float16) == 1e-3
+    """fp32 accumulation on CPU: the bracket's e_max is the fp32 one for every input
+    dtype (C's own rounding has its own term); TF32-like fp32 gets the reduced one."""
+    assert default_e_max(torch.bfloat16) == 2e-5 and default_e_max(torch.float16) == 2e-5
     assert default_e_max(torch.float32) == 2e-5
     previous = torch.get_float32_matmul_precision()
     try:
@@ -371,17 +373,6 @@ def test_legacy_algorithm_threshold_follows_c() -> None:
     assert dirty.err[2] > clean.err[2] * 1.4
     assert bool(dirty.flags[2])
     assert bool(sdc_guard.verify_matmul(a, b, c).flags[2].all())
-
-
-@pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
-def test_selftest_command() -> None:
-    out = subprocess.run([sys.executable, "-m", "sdc_guard", "selftest"], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "backend torch   available" in out.stdout
-    assert "PASS torch   bfloat16" in out.stdout and "PASS torch   float32" in out.stdout
-    if native.available():  # the native kernels are checked beside torch
-        assert "backend cpu     available" in out.stdout and "PASS cpu     float32" in out.stdout
-    assert f"{6 if native.available() else 3} passed, 0 failed" in out.stdout
 
 
 def test_summary_of_a_clear_check_matches_the_full_reduction() -> None:

@@ -15,12 +15,18 @@ Two readings of the specification had to be made; both are stated where they are
   and only the weighted form bounds the rounding of ``sum r * out`` when ``|r| > 1``.
 
 ``roundoff_floor=True`` is sdc_guard's screen (docs/ALGORITHM.md), with its documented
-departures from the operator: the rounding of C, ``u_C |alpha| (|A| @ |B| r)`` per
-segment, is a term of its own; the underflow floor is ``n_s (tiny_C + (2K + 2) 2^-126)``
-(a device may flush subnormals: ``tiny_C`` is 2^-126 for fp32 / bf16 C); the bias term
-also covers the fp32 checksum sums, ``2 (u_C + 8 u_fp32) sum |beta r bias|``. The default
-``False`` is the operator's formula (``e_eff`` as passed, floor ``n_s`` times the
-smallest subnormal), which the NPU stand-in runs.
+departures from the operator: one accumulator rounding of the worst-case magnitude,
+``u_acc |alpha| (|A| @ |B| r)`` per segment (``acc_roundoff``: 2^-24 for fp32
+accumulation; plus ``3 u_fp32`` with an epilogue, ``alpha != 1`` or a bias); C's own
+rounding read from C, ``u_C / (1 - u_C) sum |r C|`` for ``screen="default"``,
+``min(6 u_C sqrt(sum (r C)^2 / 3) + u_C |sum r C|, that rigorous term)`` for
+``screen="tight"`` (the rigorous one alone where C's fp32 squares leave fp32's range); a
+finite ``T`` is part of a pass (it reads C); the underflow floor
+``n_s (tiny_C + (2K + 2) 2^-126)`` (a device may flush subnormals: ``tiny_C`` is 2^-126
+for fp32 / bf16 C); the bias term covers the fp32 checksum sums and the epilogue,
+``19 u_fp32 sum |beta r bias|`` (C's own rounding covers the bias's share of C). The
+default ``False`` is the operator's formula (``e_eff`` as passed, floor ``n_s`` times
+the smallest subnormal), which the NPU stand-in runs.
 """
 
 from __future__ import annotations
@@ -125,6 +131,8 @@ def reference_check(
     alpha: float = 1.0,
     beta: float = 1.0,
     roundoff_floor: bool = False,
+    screen: str = "default",
+    acc_roundoff: float = 2.0**-24,
 ) -> ReferenceCheck:
     """V-ABFT ``D``, ``T`` and OK bits of ``c == alpha * a @ b + beta * bias`` in float64.
 
@@ -135,12 +143,13 @@ def reference_check(
     with np.errstate(all="ignore"):  # non-finite inputs are data here, not accidents
         return _check(as_f64(a), as_f64(b), as_f64(c), checksum_weight, e_max=e_max,
                       c_dtype=c_dtype, bias=bias, alpha=alpha, beta=beta,
-                      roundoff_floor=roundoff_floor)
+                      roundoff_floor=roundoff_floor, screen=screen, acc_roundoff=acc_roundoff)
 
 
 def _check(
     a64: np.ndarray, b64: np.ndarray, c64: np.ndarray, checksum_weight: Any, *,
     e_max: float, c_dtype: Any, bias: Any, alpha: float, beta: float, roundoff_floor: bool,
+    screen: str = "default", acc_roundoff: float = 2.0**-24,
 ) -> ReferenceCheck:
     """``reference_check`` on float64 arrays."""
     m, k = a64.shape
@@ -158,21 +167,38 @@ def _check(
         checksum = (c64[:, cols] * r[cols]).sum(axis=1)
         expected = alpha * (a64 @ bw.sum(axis=1))  # alpha * A @ Br
         t = abs(alpha) * e_eff * _bracket(mu_a, var_a, bw, n_s)
-        if roundoff_floor:  # sdc_guard: C's rounding of its own, and a flush-aware floor
-            t = t + UNIT_ROUNDOFF[name] * abs(alpha) * (np.abs(a64) @ np.abs(bw).sum(axis=1))
+        if roundoff_floor:  # sdc_guard: C's rounding read from C, one accumulator rounding, a flush-aware floor
+            u_c = UNIT_ROUNDOFF[name]
+            epilogue = alpha != 1.0 or (bias64 is not None and beta != 0.0)
+            acc = acc_roundoff + (3 * UNIT_ROUNDOFF["float32"] if epilogue else 0.0)
+            t = t + acc * abs(alpha) * (np.abs(a64) @ np.abs(bw).sum(axis=1))
+            rc = c64[:, cols] * r[cols]
+            if screen == "default":
+                t = t + u_c / (1.0 - u_c) * np.abs(rc).sum(axis=1)
+            elif screen == "tight":  # the probabilistic term, capped by the rigorous one
+                rigorous = u_c / (1.0 - u_c) * np.abs(rc).sum(axis=1)
+                prob = 6.0 * u_c * np.sqrt((rc**2).sum(axis=1) / 3.0) + u_c * np.abs(rc.sum(axis=1))
+                squares = (rc.astype(np.float32) ** 2).astype(np.float64).sum(axis=1)  # fp32 squares' range
+                normal = (squares >= 2.0**-126) & (squares < 2.0**128)
+                t = t + np.where(normal, np.minimum(prob, rigorous), rigorous)
+            else:
+                raise ValueError(f"screen: expected 'default' or 'tight', got {screen!r}")
             t = t + n_s * (TINY_FTZ[name] + (2 * k + 2) * FTZ_STEP)
         else:
             t = t + n_s * TINY[name]
         if bias64 is not None:
             weighted_bias = bias64[:, cols] * r[cols]
             expected = expected + beta * weighted_bias.sum(axis=1)
-            bias_factor = 2.0 * UNIT_ROUNDOFF[name]
-            if roundoff_floor:  # sdc_guard also covers the fp32 checksum sums of a large bias
-                bias_factor += 2.0 * 8 * UNIT_ROUNDOFF["float32"]
+            if roundoff_floor:  # checksum sums of the bias (2 x 8) and the fp32 epilogue (3)
+                bias_factor = 19 * UNIT_ROUNDOFF["float32"]
+            else:
+                bias_factor = 2.0 * UNIT_ROUNDOFF[name]
             t = t + bias_factor * np.abs(beta * weighted_bias).sum(axis=1)
         diffs.append(np.abs(checksum - expected))
         thresholds.append(t)
     diff = np.stack(diffs, axis=1) if diffs else np.zeros((m, 0))
     threshold = np.stack(thresholds, axis=1) if thresholds else np.zeros((m, 0))
     ok = np.isfinite(diff) & (diff <= threshold)
+    if roundoff_floor:  # sdc_guard's T reads C: an infinite T is not a pass (the operator's is from A and B)
+        ok &= np.isfinite(threshold)
     return ReferenceCheck(diff, threshold, ok)

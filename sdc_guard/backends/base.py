@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ..core.abft import AbftCheck, WeightSide, weight_side
+from ..core.precision import ScreenTerms
 from ..core.request import GemmRequest
 from ..core.summary import clear_summary, summarize
 
@@ -44,7 +45,7 @@ class Backend:
 
     def clear_gemm(self, a: Tensor, b: Tensor, c: Tensor, e_max: float, *, bias: Tensor | None = None,
                    alpha: float = 1.0, beta: float = 1.0, weight: WeightSide | None = None,
-                   rounding: float = 1.0) -> float | None:
+                   rounding: ScreenTerms | None = None) -> float | None:
         """``clear_worst`` of the request these arguments make, without making it: the
         guard's path for every verified GEMM (``runtime/checker.py``), where the request
         object and its checks cost as much as a small check. ``None`` here (the default:

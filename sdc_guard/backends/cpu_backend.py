@@ -6,6 +6,7 @@ from torch import Tensor
 
 from . import native
 from ..core.abft import AbftCheck, WeightSide
+from ..core.precision import ScreenTerms
 from .base import Backend, GemmRequest
 from .native_plan import Plans
 from .torch_backend import TorchBackend
@@ -48,7 +49,7 @@ class CpuBackend(Backend):
 
     def clear_gemm(self, a: Tensor, b: Tensor, c: Tensor, e_max: float, *, bias: Tensor | None = None,
                    alpha: float = 1.0, beta: float = 1.0, weight: WeightSide | None = None,
-                   rounding: float = 1.0) -> float | None:
+                   rounding: ScreenTerms | None = None) -> float | None:
         """``clear_worst`` through a plan of the call's layout (``native_plan``): the
         kernels' arguments worked out once per layout, not once per call."""
         ext = native.extension()

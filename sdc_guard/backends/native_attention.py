@@ -36,8 +36,8 @@ ISA: dict[str, int] = {"auto": 0, "generic": 1, "avx2": 2, "avx512": 3}
 #: mask dtype -> the kernels' code (float64 masks are read as fp32, as the torch screen does)
 _MASK_CODE: dict[torch.dtype, int] = {**DTYPE_CODE, torch.bool: 3}
 #: the order of ``csrc/attn.h``'s AC_ constants
-_CONSTANTS = ("scale", "ecoef", "g2s", "p", "tiny", "tail", "floor", "uprod", "gdv", "tail_q", "tail_kv", "tail_v",
-              "fq", "fk", "fv")
+_CONSTANTS = ("scale", "ecoef", "g2s", "p", "tiny", "tail", "floor", "out", "uprod", "gdv", "tail_q", "tail_kv",
+              "tail_v", "fq", "fk", "fv", "out_q", "out_k", "out_v", "blk_q", "blk_kv")
 
 
 def _ext() -> object | None:

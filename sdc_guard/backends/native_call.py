@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..core.abft import WeightSide, effective_e_max, weight_side
 from ..core.batching import batch_strides, collapse_batch, contiguous_strides
-from ..core.precision import SEGMENT, UNIT_ROUNDOFF, bias_rounding, element_floor
+from ..core.precision import SEGMENT, UNIT_ROUNDOFF, ScreenTerms, bias_rounding, element_floor
 from ..core.segments import segment_constants
 
 __all__ = [
@@ -35,12 +35,15 @@ DTYPE_CODE: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch
 C_CONSTANTS: dict[torch.dtype, tuple[float, float]] = {dt: (UNIT_ROUNDOFF[dt], bias_rounding(dt)) for dt in DTYPE_CODE}
 
 
-def threshold_args(e_max: float, k: int, alpha: float, c_dtype: torch.dtype,
-                   rounding: float = 1.0) -> tuple[float, float, float]:
-    """The kernel's (scale, round, floor): ``|alpha| e_eff``, ``rounding |alpha| u_C`` and
-    ``element_floor(K)``, the three constants of T besides the bias (abft.threshold64)."""
-    u_c = C_CONSTANTS[c_dtype][0]
-    return abs(alpha) * effective_e_max(e_max, k), rounding * abs(alpha) * u_c, element_floor(k, c_dtype)
+def threshold_args(e_max: float, k: int, alpha: float, c_dtype: torch.dtype, rounding: ScreenTerms | None = None,
+                   epilogue: bool = False) -> tuple[float, ...]:
+    """The kernel's threshold constants besides the bias's (abft.threshold64): ``|alpha|
+    e_eff``, the factor of ``|A| @ Babs``, ``element_floor(K)``, and the factors of C's
+    ``sum |r C|``, ``sqrt(sum (r C)^2)`` and ``|sum r C|`` (``precision.ScreenTerms``;
+    ``epilogue``: alpha != 1 or a bias)."""
+    a_round, c_abs, c_sq, c_coh = (rounding or ScreenTerms()).coefficients(c_dtype, alpha, epilogue)
+    return abs(alpha) * effective_e_max(e_max, k), a_round, element_floor(k, c_dtype), c_abs, c_sq, c_coh
+
 
 def weight_reason(b: Tensor, checksum_weight: Tensor | None) -> str | None:
     if b.device.type != "cpu":
@@ -323,7 +326,8 @@ def flat_args(req: object) -> tuple | None:
     alpha = req.alpha  # type: ignore[attr-defined]
     return (m, n, k, 1, 1, a.data_ptr(), adt, 0, 0, sa[0], sa[1], c.data_ptr(), cdt, 0, 0, sc[0], sc[1],
             bias_ptr, bias_dt, 0, 0, sbm, sbn, 0, prep.br_ptr, prep.babs_ptr, 0, 0, prep.sbrs, *prep.f_ptrs, 0, 0,
-            *threshold_args(req.e_max, ws.k, alpha, c.dtype, req.rounding), alpha, beta,  # type: ignore[attr-defined]
+            *threshold_args(req.e_max, ws.k, alpha, c.dtype, req.terms,  # type: ignore[attr-defined]
+                            alpha != 1.0 or bias is not None), alpha, beta,
             C_CONSTANTS[c.dtype][1])
 
 
@@ -390,7 +394,8 @@ class Call:
             r.data_ptr() if r is not None else 0,
         )
         self.sf = (sbr0, sbr1, sf0, sf1)
-        self.tail = (*threshold_args(req.e_max, kw, alpha, c.dtype, req.rounding), alpha, beta,  # type: ignore[attr-defined]
+        self.tail = (*threshold_args(req.e_max, kw, alpha, c.dtype, req.terms,  # type: ignore[attr-defined]
+                                     alpha != 1.0 or bias is not None), alpha, beta,
                      C_CONSTANTS[c.dtype][1])
         return True
 

@@ -25,6 +25,7 @@ from typing import Any
 from torch import Tensor
 
 from ..core.abft import WeightSide
+from ..core.precision import ScreenTerms
 from ..core.request import GemmRequest
 from .native_call import DTYPE_CODE, Call, buffer_offsets, factor_offsets, prepared
 
@@ -98,7 +99,7 @@ class Plans:
         self._plans: dict[tuple, Plan | None] = {}
 
     def key(self, a: Tensor, b: Tensor, c: Tensor, bias: Tensor | None, alpha: float, beta: float,
-            ws: WeightSide | None, e_max: float, rounding: float) -> tuple | None:
+            ws: WeightSide | None, e_max: float, rounding: ScreenTerms | None) -> tuple | None:
         """What a call's arguments depend on besides its pointers, or ``None`` for a call
         off the CPU (the kernels' device)."""
         if not (a.is_cpu and b.is_cpu and c.is_cpu):
@@ -117,7 +118,7 @@ class Plans:
                 rounding, b.dtype, prep.geometry, ws.k)
 
     def get(self, key: tuple, ext: types.ModuleType, a: Tensor, b: Tensor, c: Tensor, bias: Tensor | None,
-            alpha: float, beta: float, ws: WeightSide | None, e_max: float, rounding: float,
+            alpha: float, beta: float, ws: WeightSide | None, e_max: float, rounding: ScreenTerms | None,
             rejects: Any) -> Plan | None:
         """The plan for ``key`` (made from this call on a miss), or ``None`` where there
         is none (``rejects``, ``native.rejects``, refuses the call, or ``Plan.of``)."""

@@ -6,10 +6,28 @@ float32, ``checksum_weight [N]`` in ``a``'s dtype; it returns the ``comp_row`` b
 whose padding bits are undefined, and raises ``RuntimeError`` on anything else.
 
 The bridge does what the RFC's dispatcher does: cast ``c`` to fp32, make operands
-contiguous, cache the all-ones weight per (N, dtype, device), pass the recommended
+contiguous, cache the all-ones weight per (N, dtype, device), pass the bracket's
 ``e_max``. Availability is probed once with a tiny legal call: a probe failure means the
 operator is unavailable (stock CANN lacks the symbol); an error in a real call is the
 operator's and is raised, never swallowed into a silent fallback.
+
+What the operator's formula can and cannot be (docs/ALGORITHM.md, "The NPU operator"):
+it computes ``e_eff * bracket + n_s tiny`` from A and B alone, with no term that reads C.
+sdc_guard's screen bounds C's own rounding from C (``u_C / (1 - u_C) sum |r C|``), which
+no ``e_max`` reproduces. So the bridge takes only what the operator can screen at least
+as tightly as the portable screen, and lets the confirmation settle the rest:
+
+- fp32 at the accumulation-level ``e_max``: the operator's T is the portable T minus
+  fp32-level terms (``u_fp32 |A| @ |B| r``, ``u_fp32 sum |r C|``, the flush floor), so
+  every segment the portable screen flags, the operator flags too; the few it flags
+  beyond (structured operands) are suspects the exact confirmation clears. The
+  confirmed verdicts are the same.
+- bf16: at that ``e_max`` the operator would flag most clean segments (C's rounding is
+  64 times the bracket there), and at the operator's recommended 1e-3 it would miss what
+  the portable screen sees: neither gives the same verdicts, so bf16 is declined and the
+  portable screen serves it on the NPU (torch ops on the device). An operator whose
+  threshold added ``c_abs * sum |r C|`` (one more reduction in its pass over C) would
+  take bf16 back.
 
 torch_npu cannot be imported off Ascend hardware; the tests exercise this module through a
 stand-in that follows the contract above, installed as ``sys.modules["torch_npu"]``.
@@ -18,7 +36,6 @@ stand-in that follows the contract above, installed as ``sys.modules["torch_npu"
 from __future__ import annotations
 
 import importlib
-import math
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable
@@ -30,11 +47,12 @@ from ..core.abft import AbftCheck, row_stats, weight_side
 from ..core.comp_row import decode_comp_row
 from ..core.segments import segment_reduce
 from .base import Backend, GemmRequest
-from ..core.precision import UNIT_ROUNDOFF, overflow_limit
+from ..core.precision import overflow_limit
 
 OP_NAME = "_npu_matmul_abft_verify"
-#: dtypes with a recommended e_max on the operator (fp16 has none: RFC, non-goals).
-NPU_DTYPES = (torch.bfloat16, torch.float32)
+#: dtypes the bridge hands the operator: fp32 only (see the module docstring; fp16 has
+#: no recommended e_max on the operator, RFC non-goals; bf16's screen reads C).
+NPU_DTYPES = (torch.float32,)
 
 
 @dataclass(frozen=True)
@@ -110,6 +128,9 @@ class NpuBackend(Backend):
             return f"tensors are on {req.device.type}, not {self.device_type}"
         if req.a.dim() != 2 or req.b.dim() != 2:
             return "the operator takes 2-D operands only"
+        if req.a.dtype == torch.bfloat16 or req.c.dtype == torch.bfloat16:
+            return ("bfloat16: the screen bounds C's rounding from C, a term the operator's threshold "
+                    "does not have (the portable screen serves it)")
         if req.a.dtype not in NPU_DTYPES:
             return f"no recommended e_max for {req.a.dtype} on the operator"
         if req.bias is not None or req.alpha != 1.0:
@@ -140,15 +161,13 @@ class NpuBackend(Backend):
 
 
 def operator_e_max(e_max: float, k: int, c_dtype: torch.dtype) -> float:
-    """The ``e_max`` to pass so that the operator's ``e_eff`` equals sdc_guard's.
+    """The ``e_max`` to pass: the portable screen's own, so that the operator's
+    ``e_eff * bracket`` is exactly the portable screen's bracket term and its T never
+    exceeds the portable T (which adds terms the operator lacks). ``k`` and ``c_dtype``
+    are accepted for the callers of the earlier signature, which raised ``e_max`` to
+    carry a floor at C's unit roundoff (now a term of its own that reads C).
 
-    ``e_eff`` is linear in ``e_max``, so raising ``e_max`` to ``u_C / (6 sqrt(K/1024))``
-    reproduces ``abft.effective_e_max``'s floor at the unit roundoff of the *original* C
-    dtype (the operator only ever sees C cast to fp32).
-
-    >>> operator_e_max(1e-3, 64, torch.bfloat16) == 2.0**-8 / 1.5
-    True
+    >>> operator_e_max(2e-5, 64, torch.float32)
+    2e-05
     """
-    if k == 0:
-        return e_max
-    return max(e_max, UNIT_ROUNDOFF[c_dtype] / (6.0 * math.sqrt(k / 1024.0)))
+    return e_max

@@ -14,5 +14,5 @@ class TorchBackend(Backend):
     def check(self, req: GemmRequest) -> AbftCheck:
         return vabft_check(
             req.a, req.b, req.c, req.checksum_weight, e_max=req.e_max, bias=req.bias,
-            alpha=req.alpha, beta=req.beta, weight=req.weight, rounding=req.rounding,
+            alpha=req.alpha, beta=req.beta, weight=req.weight, rounding=req.terms,
         )

@@ -4,13 +4,15 @@ This module is the reference every backend is compared against. It computes, for
 ``C = alpha * A @ B + beta * bias`` and every (row, 256-column segment):
 
 - ``D``: the checksum difference ``|sum r*C - alpha * A @ Br - beta * sum r*bias|`` in fp32;
-- ``T``: the threshold, from A and B only (never from C, so a corrupted C cannot move its
-  own threshold): the variance-adaptive V-ABFT bracket times ``e_eff`` (accumulation
-  error), plus ``u_C |alpha| (|A| @ |B|r)`` (C's own rounding, which follows C's magnitude
-  where the bracket's independence model does not: sparse rows, mean-shifted columns),
-  plus the bias's rounding and an underflow floor. The bracket is evaluated in fp64 from
-  statistics that are never squared in fp32, so no finite input underflows or overflows
-  it and a power-of-two scaling of A (and C) scales D and T exactly;
+- ``T``: the threshold: the variance-adaptive V-ABFT bracket times ``e_eff`` (accumulation
+  error, at the device's precision), plus ``u_acc |alpha| (|A| @ |B|r)`` (one accumulator
+  rounding of the worst-case magnitude, which follows C where the bracket's independence
+  model does not: sparse rows, mean-shifted columns), plus C's own rounding read from C
+  (``u_C / (1 - u_C) sum |r C|``: rigorous, and a corrupted element raises it by only
+  ``u_C`` of its own error, so C cannot hide behind it; docs/ALGORITHM.md, "Reading C"),
+  plus the bias's fp32 arithmetic and an underflow floor. The bracket is evaluated in fp64
+  from statistics that are never squared in fp32, so no finite input underflows or
+  overflows it and a power-of-two scaling of A (and C) scales D and T exactly;
 - which segments cannot be judged (non-finite inputs) and which non-finite results may be
   a legitimate overflow (fp16 AMP overflows are routine; GradScaler handles them).
 
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .precision import SEGMENT, UNIT_ROUNDOFF, bias_rounding, element_floor, overflow_limit
+from .precision import SEGMENT, ScreenTerms, bias_rounding, element_floor, overflow_limit
 
 
 from .comp_row import decode_comp_row, encode_comp_row
@@ -46,6 +48,7 @@ from .passes import (
     _row_pass,
     _segment_sums_rows,
     _times_br,
+    c_sums,
     _weight_pass,
 )
 from .segments import (
@@ -243,7 +246,7 @@ def effective_e_max(e_max: float, k: int, c_dtype: torch.dtype | None = None) ->
     """``e_eff``: the NPU operator's scaling of ``e_max`` with ``K``, ``e_max * 6 * sqrt(K / 1024)``.
 
     It models accumulation error, which grows with ``K``. (C's own final rounding, which
-    does not shrink with ``K``, has its own term in the threshold: ``u_C |A| @ |B|r``.)
+    does not shrink with ``K``, has its own term in the threshold, read from C.)
     ``c_dtype`` is accepted for the callers of the earlier signature and not used.
 
     >>> effective_e_max(1e-3, 1024)
@@ -275,28 +278,64 @@ def vabft_threshold(rows: RowStats, ws: WeightSide, e_max: float, c_dtype: torch
     return bracket.mul_(effective_e_max(e_max, ws.k))
 
 
+@dataclass(frozen=True)
+class CSums:
+    """What the threshold reads of C per (row, segment) (``[..., M, nseg]`` fp32): the
+    sums of ``|r C|`` and, for the tight screen, of ``(r C)^2``, and the checksum
+    ``sum r C`` itself (its absolute value is the coherent term)."""
+
+    total: Tensor
+    abs: Tensor
+    sq: Tensor | None = None
+
+
 def threshold64(mu: Tensor, hi: Tensor, lo: Tensor, rabs: Tensor, ws: WeightSide, e_max: float, alpha: float,
-                c_dtype: torch.dtype, bias_abs: Tensor | None = None, rounding: float = 1.0) -> Tensor:
+                c_dtype: torch.dtype, bias_abs: Tensor | None = None, terms: ScreenTerms | None = None,
+                csums: CSums | None = None) -> Tensor:
     """``T`` in fp64 from A's row mean, max, min (``[..., M, 1]``), ``|A| @ Babs``
-    (``[..., M, nseg]``), the weight side and the bias's ``|beta| sum |r bias|``:
+    (``[..., M, nseg]``), the weight side, the bias's ``|beta| sum |r bias|`` and C's sums:
 
-    ``|alpha| e_eff bracket + rounding u_C |alpha| (|A| @ Babs) + bias_rounding sum |beta r bias| + n_s floor``
+    ``|alpha| e_eff bracket + a_round (|A| @ Babs) + c_abs sum |r C| + c_sq sqrt(sum (r C)^2)
+    + c_coh |sum r C| + bias_rounding sum |beta r bias| + n_s floor``
 
-    (``rounding``: 1 for the default screen, less for the tight one, ``precision.SCREENS``).
+    with the coefficients of ``terms`` (``precision.ScreenTerms.coefficients``; default:
+    the default screen with fp32 accumulation). A term whose coefficient is 0 is not
+    computed; ``csums`` is needed unless all three of C's are 0.
     """
+    terms = terms if terms is not None else ScreenTerms()
+    a_round, c_abs, c_sq, c_coh = terms.coefficients(c_dtype, alpha, epilogue=alpha != 1.0 or bias_abs is not None)
     sd = extrema_variance64(mu, hi, lo).sqrt()
     t = _bracket(mu, sd, ws).mul_(abs(alpha) * effective_e_max(e_max, ws.k))
-    t.add_(rabs.double(), alpha=rounding * abs(alpha) * UNIT_ROUNDOFF[c_dtype])
+    t.add_(rabs.double(), alpha=a_round)
     t.add_(ws._floor(c_dtype))
     if bias_abs is not None:
         t.add_(bias_abs.double(), alpha=bias_rounding(c_dtype))
+    if c_abs or c_sq or c_coh:
+        assert csums is not None, "threshold64: the screen reads C, csums is required"
+        t.add_(c_round64(csums, c_abs, c_sq, c_coh))
     return t
+
+
+def c_round64(csums: CSums, c_abs: float, c_sq: float, c_coh: float) -> Tensor:
+    """C's rounding term (fp64) from C's sums (``precision.ScreenTerms``): ``c_abs sum |r C|``,
+    or with ``c_sq`` its minimum with ``c_sq sqrt(Q) + c_coh |sum r C|`` where the fp32 sum of
+    squares ``Q`` is a normal number (elsewhere C's squares left fp32's range, and the
+    rigorous term alone serves)."""
+    rigorous = csums.abs.double() * c_abs
+    if not c_sq:
+        return rigorous.add_(csums.total.double().abs_(), alpha=c_coh) if c_coh else rigorous
+    assert csums.sq is not None, "c_round64: the tight screen needs the sums of squares"
+    q = csums.sq
+    normal = (q >= torch.finfo(torch.float32).tiny) & (q < float("inf"))
+    prob = q.double().sqrt_().mul_(c_sq).add_(csums.total.double().abs_(), alpha=c_coh)
+    return torch.where(normal, torch.minimum(prob, rigorous), rigorous)
 
 
 def to_threshold32(t: Tensor) -> Tensor:
     """``T`` as fp32 for comparison with the fp32 ``D`` (rounded to nearest). A T past
-    fp32's range becomes inf: every finite D passes there, as nothing the fp32 checksum
-    sees can be told from rounding at that scale."""
+    fp32's range becomes inf, and an infinite T is not a pass: it reads C, so a corrupted
+    C whose sums leave fp32's range must not pass with it (the confirmation settles the
+    segment instead)."""
     return t.float()
 
 
@@ -358,13 +397,14 @@ def vabft_check(
     alpha: float = 1.0,
     beta: float = 1.0,
     weight: WeightSide | None = None,
-    rounding: float = 1.0,
+    rounding: ScreenTerms | None = None,
 ) -> AbftCheck:
     """Screen ``c == alpha * a @ b + beta * bias`` (docs/ALGORITHM.md), all on ``c``'s device.
 
     Operands are assumed validated (``verify.check_operands``); batch dims broadcast as in
     ``torch.matmul``. ``weight`` is a cached ``weight_side(b, checksum_weight)``;
-    ``rounding`` the share of C's worst-case rounding term (``precision.SCREENS``).
+    ``rounding`` the screen's ``precision.ScreenTerms`` (default: the default screen with
+    fp32 accumulation; ``precision.resolve_screen`` gives a device's).
 
     Cost: one blocked read each of A and C (and of B without ``weight``), the two skinny
     products ``A @ Br`` and ``|A| @ Babs``, a few dozen small ops on ``[M, nseg]``. On
@@ -375,6 +415,8 @@ def vabft_check(
     >>> bool(vabft_check(a, b, a @ b, e_max=2e-5).ok.all())
     True
     """
+    terms = rounding if rounding is not None else ScreenTerms()
+    squares = terms.sigmas != 0.0
     if a.requires_grad or c.requires_grad:  # verification needs no autograd graph
         a, c = a.detach(), c.detach()
     if bias is not None and bias.requires_grad:
@@ -388,16 +430,17 @@ def vabft_check(
     if k and n and a.shape[-2] and ws.br.dim() == 2 and a.shape[:-2] == batch:
         # Rows are independent: any batch of A against one B is one [rows, K] product.
         a2, c2 = (a, c) if not batch else (a.reshape(-1, k), c.reshape(-1, n))
-        mu, hi, lo, reference, rabs, c_sum = _row_pass(a2, c2, ws.br, ws.babs, weight32)
+        mu, hi, lo, reference, rabs, c_sum, c_abs, c_sq = _row_pass(a2, c2, ws.br, ws.babs, weight32, squares)
         if batch:
-            mu, hi, lo, reference, rabs, c_sum = (t.unflatten(0, (*batch, a.shape[-2]))
-                                                  for t in (mu, hi, lo, reference, rabs, c_sum))
+            mu, hi, lo, reference, rabs, c_sum, c_abs, c_sq = (
+                None if t is None else t.unflatten(0, (*batch, a.shape[-2]))
+                for t in (mu, hi, lo, reference, rabs, c_sum, c_abs, c_sq))
     else:
         if k:
             mu, hi, lo = _row_moments(a)
         else:
             mu = hi = lo = torch.zeros((*a.shape[:-1], 1), dtype=torch.float32, device=a.device)
-        c_sum = segment_reduce(_weighted(c, checksum_weight), _sum32)
+        c_sum, c_abs, c_sq = c_sums(_weighted(c, checksum_weight), squares)
         fa = a if a.dtype == torch.float32 else a.float()
         if ws.br.shape[-1] == 1 and fa.dim() > 2 and fa.numel() <= _CHUNK:
             # batched GEMV (attention with N <= 256): MKL's bmm with one column costs 4x
@@ -413,7 +456,8 @@ def vabft_check(
     if bias is not None and beta != 0.0:
         bias_sum, bias_abs = bias_sums(bias, n, checksum_weight, beta)
         reference = reference + beta * bias_sum
-    threshold = to_threshold32(threshold64(mu, hi, lo, rabs, ws, e_max, alpha, c.dtype, bias_abs, rounding))
+    csums = CSums(c_sum, c_abs, c_sq)
+    threshold = to_threshold32(threshold64(mu, hi, lo, rabs, ws, e_max, alpha, c.dtype, bias_abs, terms, csums))
     diff = (c_sum - reference).abs_()
     ok = diff <= threshold
     if c.device.type == "cpu" and diff.numel():
@@ -424,7 +468,7 @@ def vabft_check(
         if float(lowest) >= 0.0 and math.isfinite(float(highest)):
             none = torch.zeros(ok.shape, dtype=torch.bool, device=c.device)  # read-only, like every mask
             return AbftCheck(ok, none, none, diff, threshold, clear=True)
-    ok &= torch.isfinite(diff)
+    ok &= torch.isfinite(diff) & torch.isfinite(threshold)  # T reads C: infinite only where C's sums are
     return explain_failures(ok, diff, threshold, k, mu, hi, lo, ws, alpha, c.dtype, bias_sum, bias_abs)
 
 

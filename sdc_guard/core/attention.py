@@ -103,10 +103,15 @@ class Rounding:
     def grad_rounding(self, n: int) -> float:
         """Relative error of a gradient summed over ``n`` terms from its rounding(s) to
         its dtype: ``u`` once, or ``gamma_{ceil(n / grad_block)}(u)`` when partial sums
-        are rounded and added in that dtype."""
+        are rounded and added in that dtype (the confirmation's worst case)."""
         if not self.grad_block:
             return self.out
         return gamma(max(1, -(-n // self.grad_block)), self.out)
+
+    def intermediate(self, n: int) -> int:
+        """Roundings of partial sums before the final one, for a gradient summed over
+        ``n`` terms: ``ceil(n / grad_block) - 1``, 0 without blocks."""
+        return max(0, -(-n // self.grad_block) - 1) if self.grad_block else 0
 
 
 def rounding_model(dtype: torch.dtype, device: torch.device) -> Rounding:
@@ -137,8 +142,11 @@ class RowCheck:
 
 
 def _check(diff: Tensor, threshold: Tensor, bad: Tensor) -> RowCheck:
+    """The row verdicts: within a finite threshold (a threshold that reads the output is
+    infinite only where the output is, or its sums leave fp32's range: a suspect then,
+    which the confirmation settles), and judged (``bad``: unverifiable)."""
     diff = torch.where(bad, 0.0, diff)
-    return RowCheck(diff, threshold, (diff <= threshold) & ~bad, bad)
+    return RowCheck(diff, threshold, (diff <= threshold) & torch.isfinite(threshold) & ~bad, bad)
 
 
 def _stack_rows(x: Tensor, hkv: int) -> Tensor:
@@ -235,25 +243,62 @@ def _tail(n: int, d: int, out_rounding: float) -> float:
     return (1 + gamma(n, _U32)) ** 2 * (1 + 2 * _U32) * (1 + out_rounding) * (1 + gamma(d, _U32)) ** 3
 
 
+def _acc_tail(n: int, d: int) -> float:
+    """``_tail`` without the output's rounding: the fp32 arithmetic's share, which the
+    screen applies to the worst-case magnitude (the output's own rounding is read from the
+    output: ``_out_rounding``)."""
+    return _tail(n, d, 0.0)
+
+
+def _out_rounding(u: float, d: int) -> float:
+    """Factor of ``sum_d |out_d|`` for an output's final rounding to its dtype, read from
+    the output itself (docs/ALGORITHM.md, "Reading C": a corrupted element raises it by
+    ``u`` of its error): ``u / (1 - u)``, plus ``gamma_d(u_fp32)`` for this fp32 sum."""
+    return u / (1.0 - u) + gamma(d, _U32)
+
+
+def _blocks(u: float, rounds: int) -> float:
+    """Factor of ``sqrt(E)`` for ``rounds`` partial sums ``r_b = sum_{i <= b} x_i`` rounded
+    to the output's dtype before its final rounding (CPU backward blocks): six standard
+    deviations of as many independent roundings, ``6 u sqrt(rounds / 3)``; 0 without.
+    ``E`` models a partial sum's energy ``|r_b|^2``: at most ``sum_i |x_i|^2`` where the
+    terms add like a random walk, at most ``|out|^2`` where they add coherently, so their
+    sum, each bounded range-safely by a maximum times a sum (``energy``; docs/ATTENTION.md,
+    "Partial sums")."""
+    return 6.0 * u * math.sqrt(rounds / 3.0) if rounds else 0.0
+
+
+def energy(top: Tensor, total: Tensor) -> Tensor:
+    """``top * total`` in fp64: a bound of ``sum x^2`` from ``max |x|`` and ``sum |x|`` that
+    never leaves the range (squares of fp32 values leave fp32's range below 1e-19 and
+    above 1e19; their fp64 product of two fp32 values cannot)."""
+    return top.double() * total.double()
+
+
 def threshold_constants(ops: AttentionOperands, out_dtype: torch.dtype,
                         grad_dtypes: tuple[torch.dtype, torch.dtype, torch.dtype] | None = None) -> dict[str, float]:
     """The per-call constants of the per-row thresholds below (forward; with
     ``grad_dtypes`` = the dtypes of ``dq, dk, dv``, the backward's too): what a screen that
     evaluates the per-row formulas elsewhere needs (the native one,
     ``sdc_guard.backends.native_attention``). ``ecoef``: ``s_error``'s factor of
-    ``|scale| |q| max|k|``; ``g2s``: ``p_error``'s rounding term; ``tail*``: ``_tail`` of each
-    output; ``floor`` / ``f*``: the outputs' underflow floors."""
+    ``|scale| |q| max|k|``; ``g2s``: ``p_error``'s rounding term; ``tail*``: ``_acc_tail``
+    of each output; ``out*``: ``_out_rounding`` of each output; ``blk_*``: ``_blocks`` of
+    the gradients summed over the keys (``dq``) and over the query rows (``dk``, ``dv``);
+    ``floor`` / ``f*``: the outputs' underflow floors."""
     b, hq, hkv, l, s, d, dv = ops.dims
     rnd = rounding_model(ops.q.dtype, ops.q.device)
     u_p = rnd.product
     out = {"scale": ops.scale, "ecoef": gamma(d, _U32) + 2 * u_p + u_p * u_p + 4 * _U32,
            "g2s": gamma(2 * s + 12 + 2 * EXP_U32, _U32), "p": rnd.p, "tiny": rnd.tiny,
-           "tail": _tail(s, dv, rnd.out), "floor": dv * (TINY[out_dtype] + (2 * s + 2) * _FTZ)}
+           "tail": _acc_tail(s, dv), "out": _out_rounding(rnd.out, dv),
+           "floor": dv * (TINY[out_dtype] + (2 * s + 2) * _FTZ)}
     if grad_dtypes is not None:
         gl = (hq // hkv) * l
         tq, tk, tv = grad_dtypes
-        out.update(uprod=u_p, gdv=gamma(dv + 2, _U32), tail_q=_tail(s, d, rnd.grad_rounding(s)),
-                   tail_kv=_tail(gl, d, rnd.grad_rounding(gl)), tail_v=_tail(gl, dv, rnd.grad_rounding(gl)),
+        out.update(uprod=u_p, gdv=gamma(dv + 2, _U32), tail_q=_acc_tail(s, d), tail_kv=_acc_tail(gl, d),
+                   tail_v=_acc_tail(gl, dv), out_q=_out_rounding(rnd.out, d), out_k=_out_rounding(rnd.out, d),
+                   out_v=_out_rounding(rnd.out, dv), blk_q=_blocks(rnd.out, rnd.intermediate(s)),
+                   blk_kv=_blocks(rnd.out, rnd.intermediate(gl)),
                    fq=d * (TINY[tq] + (2 * s + 2) * _FTZ), fk=d * (TINY[tk] + (2 * gl + 2) * _FTZ),
                    fv=dv * (TINY[tv] + (2 * gl + 2) * _FTZ))
     return out
@@ -262,25 +307,31 @@ def threshold_constants(ops: AttentionOperands, out_dtype: torch.dtype,
 def forward_screen(ops: AttentionOperands, out: Tensor) -> RowCheck:
     """Screen the forward output ``out [B, Hq, L, Dv]`` of ``ops``, per row (``[B, Hq, L]``).
 
-    ``T_i = ((1 + rho_i)(1 + u_p) tail - 1) A_i + floor``, ``A_i = sum_j P_ij |V_j|.1``:
-    every term of ``O_i . 1`` is a ``P_ij V_jd``, so each relative error of ``P`` and of
-    the accumulation scales ``A_i`` (docs/ATTENTION.md, "Forward"). The floor's
-    ``(TINY + 2^-126) sum_j |V_j|.1``: a ``P`` flushed in the kernel's cast and an exp
-    flushed below 2^-126 in the recomputation (the native one's does)."""
+    ``T_i = psi_i A1_i + (1 + psi_i)(tacc - 1) A2_i + c_out sum_d |O_id| + floor`` with
+    ``psi_i = (1 + rho_i)(1 + u_p) - 1`` (``P``'s relative error: both copies, the cast
+    before ``P V``), ``A1_i = sum_j P_ij |V_j . 1|`` (an error of ``P_ij`` moves the
+    checksum by ``|V_j . 1|``, not by ``|V_j| . 1``), ``A2_i = sum_j P_ij |V_j| . 1`` (the
+    fp32 accumulation's worst case) and the output's own rounding read from it
+    (docs/ATTENTION.md, "Forward"). The floor's ``(TINY + 2^-126) sum_j |V_j|.1``: a ``P``
+    flushed in the kernel's cast and an exp flushed below 2^-126 in the recomputation
+    (the native one's does)."""
     b, hq, hkv, l, s, d, dv = ops.dims
     rnd = rounding_model(ops.q.dtype, ops.q.device)
     q, o = _stack_rows(ops.q, hkv), _stack_rows(out, hkv)
     k = ops.k.reshape(b * hkv, s, d).float()
     v = ops.v.reshape(b * hkv, s, dv).float()
     vsum, vabs = v.sum(-1), v.abs().sum(-1)
-    tail = _tail(s, dv, rnd.out)
+    weights = torch.stack([vsum, vsum.abs(), vabs], -1)
+    tacc, c_out = _acc_tail(s, dv), _out_rounding(rnd.out, dv)
     diffs, thresholds, bads = [], [], []
     for lo, hi, idx in _chunks(b * hkv, q.shape[1], s, q.device):
         sm = softmax_rows(q[lo:hi], k[lo:hi], chunk_mask(ops, idx), ops.scale, rnd)
-        x = torch.bmm(sm.p, torch.stack([vsum[lo:hi], vabs[lo:hi]], -1))  # [c, GL, 2]
-        ref, absum = x[..., 0], x[..., 1]
+        x = torch.bmm(sm.p, weights[lo:hi])  # [c, GL, 3]
+        ref, a1, a2 = x[..., 0], x[..., 1], x[..., 2]
+        psi = (1 + sm.rho) * (1 + rnd.p) - 1
         floor = dv * (TINY[out.dtype] + (2 * s + 2) * _FTZ) + (rnd.tiny + _FTZ) * vabs[lo:hi].sum(-1, keepdim=True)
-        thresholds.append((((1 + sm.rho) * (1 + rnd.p) * tail - 1) * absum + floor) * _SLACK)
+        own = c_out * o[lo:hi].abs().sum(-1)
+        thresholds.append((psi * a1 + (1 + psi) * (tacc - 1) * a2 + own + floor) * _SLACK)
         diffs.append((o[lo:hi].sum(-1) - ref).abs())
         bads.append(sm.bad)
     shape = (b, hq, l)
@@ -316,7 +367,15 @@ def grad_terms(do: Tensor, o: Tensor, vmax: Tensor, sm: Softmax, rnd: Rounding, 
 def backward_screen(ops: AttentionOperands, grad_out: Tensor, out: Tensor,
                     dq: Tensor, dk: Tensor, dv: Tensor) -> BackwardCheck:
     """Screen the three input gradients of ``ops`` given ``grad_out`` and the forward's
-    ``out`` (both inputs of the backward kernel), per row."""
+    ``out`` (both inputs of the backward kernel), per row.
+
+    Each threshold has four parts (docs/ATTENTION.md, "Backward"): the errors of ``P`` /
+    ``dS`` entries, which move the checksum by ``|dO_i . 1|``, ``|Q_i . 1|`` or
+    ``|K_j . 1|``; the fp32 arithmetic on the worst-case magnitude; the gradient's own
+    final rounding, read from it; and, where a CPU kernel rounds partial sums to the
+    gradient's dtype (``Rounding.grad_block``), six standard deviations of those
+    roundings (``_blocks``: the energy of a partial sum ``sum_i w_ij x_i`` modelled by
+    ``sum_i w_ij^2 |x_i|^2 + |out_j|^2``)."""
     b, hq, hkv, l, s, d, dvd = ops.dims
     rnd = rounding_model(ops.q.dtype, ops.q.device)
     q, do, o, dqs = (_stack_rows(t, hkv) for t in (ops.q, grad_out, out, dq))
@@ -327,8 +386,11 @@ def backward_screen(ops: AttentionOperands, grad_out: Tensor, out: Tensor,
     vmax = (v.norm(dim=-1).amax(-1, keepdim=True) if s else v.new_zeros(b * hkv, 1))
     qsum, qabs, ksum, kabs = q.sum(-1), q.abs().sum(-1), k.sum(-1), k.abs().sum(-1)
     dosum, doabs = do.sum(-1), do.abs().sum(-1)
-    tail_q, tail_kv, tail_v = (_tail(s, d, rnd.grad_rounding(s)), _tail(gl, d, rnd.grad_rounding(gl)),
-                               _tail(gl, dvd, rnd.grad_rounding(gl)))
+    acc_q, acc_kv, acc_v = _acc_tail(s, d), _acc_tail(gl, d), _acc_tail(gl, dvd)
+    out_q, out_k, out_v = (_out_rounding(rnd.out, d), _out_rounding(rnd.out, d), _out_rounding(rnd.out, dvd))
+    blk_q, blk_kv = _blocks(rnd.out, rnd.intermediate(s)), _blocks(rnd.out, rnd.intermediate(gl))
+    kweights = torch.stack([ksum, ksum.abs(), kabs], -1)  # [n, S, 3]
+    qn, kn, dn = q.norm(dim=-1), k.norm(dim=-1), do.norm(dim=-1)
     sc = abs(ops.scale)
     parts: dict[str, list[Tensor]] = {key: [] for key in ("dq", "tq", "dk", "tk", "dv", "tv", "bq")}
     for lo, hi, idx in _chunks(b * hkv, gl, s, q.device):
@@ -338,21 +400,41 @@ def backward_screen(ops: AttentionOperands, grad_out: Tensor, out: Tensor,
         bad = sm.bad | ~torch.isfinite(do[lo:hi]).all(-1) | ~torch.isfinite(o[lo:hi]).all(-1)
         ds = torch.bmm(do[lo:hi], v[lo:hi].transpose(-1, -2)).sub_(delta).mul_(p)  # dS, [c, GL, S]
         kappa, beta, flush = grad_terms(do[lo:hi], o[lo:hi], vmax[lo:hi], sm, rnd, dvd)
+        psi = (1 + sm.rho) * (1 + rnd.p) - 1
         ds_abs = ds.abs()
-        # dQ 1 = scale dS (K 1)
-        ref_q = torch.bmm(ds, ksum[lo:hi].unsqueeze(-1)).squeeze(-1) * ops.scale
-        t_q = sc * (((1 + kappa) * tail_q - 1) * torch.bmm(ds_abs, kabs[lo:hi].unsqueeze(-1)).squeeze(-1)
-                    + tail_q * beta * torch.bmm(p, kabs[lo:hi].unsqueeze(-1)).squeeze(-1)
-                    + tail_q * flush * kabs[lo:hi].sum(-1, keepdim=True))
-        t_q = t_q + d * (TINY[dq.dtype] + (2 * s + 2) * _FTZ)
-        # dK 1 = scale dS^T (Q 1), dV 1 = P^T (dO 1)
-        pt = torch.bmm(p.transpose(-1, -2), torch.stack(
-            [dosum[lo:hi], ((1 + sm.rho) * (1 + rnd.p) * tail_v - 1) * doabs[lo:hi], tail_kv * beta * qabs[lo:hi]], -1))
+        # dQ 1 = scale dS (K 1): per row, sums over the keys
+        dsk = torch.bmm(ds, kweights[lo:hi, :, :1]).squeeze(-1)
+        adsk = torch.bmm(ds_abs, kweights[lo:hi])  # [c, GL, 3]: |dS| ksum (unused), |dS| |ksum|, |dS| kabs
+        pk = torch.bmm(p, kweights[lo:hi, :, 1:3])  # P |ksum|, P kabs
+        ref_q = dsk * ops.scale
+        t_q = sc * (kappa * adsk[..., 1] + (1 + kappa) * (acc_q - 1) * adsk[..., 2]
+                    + beta * (pk[..., 0] + (acc_q - 1) * pk[..., 1])
+                    + acc_q * flush * kabs[lo:hi].sum(-1, keepdim=True))
+        if blk_q:
+            terms = ds_abs * kn[lo:hi].unsqueeze(-2)  # |dS_ij| |K_j|
+            e_in = energy(terms.amax(-1), terms.sum(-1)) * (sc * sc)
+            e_out = energy(dqs[lo:hi].abs().amax(-1), dqs[lo:hi].abs().sum(-1))
+            t_q = t_q + blk_q * (e_in + e_out).sqrt()
+        t_q = t_q + out_q * dqs[lo:hi].abs().sum(-1) + d * (TINY[dq.dtype] + (2 * s + 2) * _FTZ)
+        # dK 1 = scale dS^T (Q 1), dV 1 = P^T (dO 1): per key, sums over the query rows
+        w_v = psi * dosum[lo:hi].abs() + (1 + psi) * (acc_v - 1) * doabs[lo:hi]
+        w_kb = beta * (qsum[lo:hi].abs() + (acc_kv - 1) * qabs[lo:hi])
+        pt = torch.bmm(p.transpose(-1, -2), torch.stack([dosum[lo:hi], w_v, w_kb], -1))  # [c, S, 3]
+        w_ka = kappa * qsum[lo:hi].abs() + (1 + kappa) * (acc_kv - 1) * qabs[lo:hi]
         dst = torch.bmm(ds.transpose(-1, -2), qsum[lo:hi].unsqueeze(-1)).squeeze(-1)
-        dsat = torch.bmm(ds_abs.transpose(-1, -2), (((1 + kappa) * tail_kv - 1) * qabs[lo:hi]).unsqueeze(-1)).squeeze(-1)
-        t_k = sc * (dsat + pt[..., 2] + tail_kv * (flush * qabs[lo:hi]).sum(-1, keepdim=True))
-        t_k = t_k + d * (TINY[dk.dtype] + (2 * gl + 2) * _FTZ)
+        dsat = torch.bmm(ds_abs.transpose(-1, -2), w_ka.unsqueeze(-1)).squeeze(-1)
+        t_k = sc * (dsat + pt[..., 2] + acc_kv * (flush * qabs[lo:hi]).sum(-1, keepdim=True))
+        t_k = t_k + out_k * dks[lo:hi].abs().sum(-1) + d * (TINY[dk.dtype] + (2 * gl + 2) * _FTZ)
         t_v = pt[..., 1] + (rnd.tiny + _FTZ) * doabs[lo:hi].sum(-1, keepdim=True) + dvd * (TINY[dv.dtype] + (2 * gl + 2) * _FTZ)
+        t_v = t_v + out_v * dvs[lo:hi].abs().sum(-1)
+        if blk_kv:
+            terms_v = p * dn[lo:hi].unsqueeze(-1)  # P_ij |dO_i|
+            terms_k = ds_abs * qn[lo:hi].unsqueeze(-1)  # |dS_ij| |Q_i|
+            e_v = energy(terms_v.amax(-2), terms_v.sum(-2)) + energy(dvs[lo:hi].abs().amax(-1), dvs[lo:hi].abs().sum(-1))
+            e_k = energy(terms_k.amax(-2), terms_k.sum(-2)) * (sc * sc) \
+                + energy(dks[lo:hi].abs().amax(-1), dks[lo:hi].abs().sum(-1))
+            t_k = t_k + blk_kv * e_k.sqrt()
+            t_v = t_v + blk_kv * e_v.sqrt()
         parts["dq"].append((dqs[lo:hi].sum(-1) - ref_q).abs())
         parts["tq"].append(t_q * _SLACK)
         parts["dk"].append((dks[lo:hi].sum(-1) - dst * ops.scale).abs())

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .accumulation import REDUCED_SPLITS, Accumulation, accumulation_model  # noqa: F401  (re-exported)
 from .precision import SEGMENT, UNIT_ROUNDOFF, element_floor
 
 #: Most flagged segments examined per GEMM when the flags are on the host.
@@ -45,44 +46,6 @@ _BLOCK_ELEMENTS = 1 << 22
 _SLACK = 1.0 + 2.0**-20
 _U32 = 2.0**-24
 _U64 = 2.0**-53
-
-
-@dataclass(frozen=True)
-class Accumulation:
-    """How the device is assumed to have computed C, for the error bound.
-
-    ``input_roundoff``: unit roundoff the operands were rounded to before multiplying
-    (0 when products are exact: bf16 / fp16 inputs, fp32 at full precision; TF32 2^-11,
-    bf16-internal fp32 2^-8). ``roundoff``: of the accumulator (fp32, 2^-24).
-    ``reduced_splits``: partial sums rounded to C's dtype and added in it (CUDA's
-    reduced-precision reduction for bf16 / fp16), at most this many; 0 when off.
-    """
-
-    input_roundoff: float = 0.0
-    roundoff: float = _U32
-    reduced_splits: int = 0
-
-
-#: Split-K partials cuBLAS may reduce in bf16 / fp16 when reduced-precision reduction is
-#: allowed (an assumption: cuBLAS does not document its split factor; docs/ALGORITHM.md).
-REDUCED_SPLITS = 32
-
-
-def accumulation_model(device: torch.device, a_dtype: torch.dtype) -> Accumulation:
-    """The accumulation the confirmation assumes for a GEMM on ``device`` with inputs of
-    ``a_dtype``, from the same global knobs PyTorch reads."""
-    if a_dtype == torch.float32:
-        precision = torch.get_float32_matmul_precision()
-        if device.type == "cuda" and bool(torch.backends.cuda.matmul.allow_tf32) and precision == "highest":
-            precision = "high"
-        return Accumulation(input_roundoff={"highest": 0.0, "high": 2.0**-11}.get(precision, 2.0**-8))
-    if device.type == "cuda":
-        matmul = torch.backends.cuda.matmul
-        flag = ("allow_bf16_reduced_precision_reduction" if a_dtype == torch.bfloat16
-                else "allow_fp16_reduced_precision_reduction")
-        if bool(getattr(matmul, flag, False)):
-            return Accumulation(reduced_splits=REDUCED_SPLITS)
-    return Accumulation()
 
 
 def gamma(n: int, u: float) -> float:

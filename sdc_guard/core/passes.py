@@ -133,12 +133,27 @@ def _times_br(fa: Tensor, br: Tensor) -> Tensor:
     return torch.matmul(fa, br)
 
 
+def c_sums(block_c: Tensor, squares: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Segment sums of ``block_c`` (``r * C``, any float dtype and layout), of its absolute
+    values and, when ``squares``, of its squares (``[..., nseg]`` fp32 each): what the
+    threshold reads of C (docs/ALGORITHM.md, "Reading C")."""
+    if block_c.stride(-1) == 1 or block_c.shape[-1] == 1:
+        f = _block32(block_c, 1)
+        return (_segment_sums_rows(f), _segment_sums_rows(f.abs()),
+                _segment_sums_rows(f * f) if squares else None)
+    # column-major C: reduce the transposed view (see segment_reduce_many)
+    f = block_c if block_c.dtype == torch.float32 else block_c.float()
+    return (segment_reduce(f, _sum32), segment_reduce(f.abs(), _sum32),
+            segment_reduce(f * f, _sum32) if squares else None)
+
+
 def _row_pass(
-    a: Tensor, c: Tensor, br: Tensor, babs: Tensor, weight32: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    a: Tensor, c: Tensor, br: Tensor, babs: Tensor, weight32: Tensor | None, squares: bool = False,
+) -> tuple[Tensor, ...]:
     """One read of 2-D ``a`` ``[M, K]`` and ``c`` ``[M, N]``: A's row mean, max, min
-    (``[M, 1]``), ``A @ Br``, ``|A| @ Babs`` and C's weighted segment sums (``[M, nseg]``),
-    all fp32.
+    (``[M, 1]``), ``A @ Br``, ``|A| @ Babs`` and C's weighted segment sums, absolute sums
+    and (``squares``) sums of squares (``[M, nseg]``), all fp32 (the last ``None``
+    without ``squares``).
 
     A column-major A (``grad_out.t()`` of a weight gradient) is taken as one block in its
     own layout: its rows are strided, so row blocks would need transposing copies."""
@@ -150,14 +165,11 @@ def _row_pass(
         fa = _block32(block_a, 0, keep_layout=True)
         if weight32 is not None:
             block_c = block_c.float() * weight32
-        if block_c.stride(-1) == 1 or block_c.shape[-1] == 1:
-            c_sum = _segment_sums_rows(_block32(block_c, 1))
-        else:  # column-major C: reduce the transposed view (see segment_reduce_many)
-            c_sum = segment_reduce(block_c, _sum32)
-        parts.append((*_row_extrema(fa), _times_br(fa, br), _times_br(fa.abs(), babs), c_sum))
+        stats = c_sums(block_c, squares)
+        parts.append((*_row_extrema(fa), _times_br(fa, br), _times_br(fa.abs(), babs), *stats))
     if len(parts) == 1:
         return parts[0]
-    return tuple(torch.cat(p, 0) for p in zip(*parts))  # type: ignore[return-value]
+    return tuple(None if p[0] is None else torch.cat(p, 0) for p in zip(*parts))  # type: ignore[return-value]
 
 
 def _weight_pass(b: Tensor, weight32: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:

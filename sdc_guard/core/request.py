@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .abft import WeightSide
+from .precision import ScreenTerms, screen_terms
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,17 @@ class GemmRequest:
     alpha: float = 1.0
     beta: float = 1.0
     weight: WeightSide | None = None  #: cached weight-side encoding of ``b``, if any
-    rounding: float = 1.0  #: share of C's worst-case rounding term in T (``precision.SCREENS``)
+    #: the screen's terms besides the bracket (``precision.resolve_screen``); ``None``: the
+    #: default screen for this request's dtype and device (``terms``)
+    rounding: ScreenTerms | None = None
 
     @property
     def device(self) -> torch.device:
         return self.c.device
+
+    @property
+    def terms(self) -> ScreenTerms:
+        """``rounding``, or the default screen's terms for ``a``'s dtype on ``c``'s device."""
+        if self.rounding is not None:
+            return self.rounding
+        return screen_terms("default", self.a.dtype, self.c.device)

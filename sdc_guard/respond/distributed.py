@@ -118,3 +118,17 @@ def gather_errors(error: str | None) -> list[str]:
         errors = [None] * world_size()
         dist.all_gather_object(errors, error)
     return list(dict.fromkeys(e for e in errors if e is not None))
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, identical on every rank; ``[obj]``
+    without a process group.
+
+    >>> gather_objects({"node": "n1"})
+    [{'node': 'n1'}]
+    """
+    if not is_distributed():
+        return [obj]
+    everyone: list[Any] = [None] * world_size()
+    dist.all_gather_object(everyone, obj)
+    return everyone

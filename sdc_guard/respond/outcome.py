@@ -24,12 +24,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .exit_codes import describe
+
 if TYPE_CHECKING:
     from ..runtime.report import Detection, StepReport
 
 EXIT_TRANSIENT = 16
 EXIT_PERSISTENT = 17
-EXIT_NONDETERMINISTIC = 18
+EXIT_NONDETERMINISTIC = 18  #: what each code asks of the scheduler: ``exit_codes.EXIT_CODES``
 
 
 class Triage(enum.IntEnum):
@@ -84,6 +86,8 @@ class StepOutcome:
     #: how a tripped gradient screen was resolved, one of ``sampling.SCREEN_VERDICTS``
     #: ("miss": the verified re-execution was identical, nothing done); None: no trip
     screen: str | None = None
+    #: the process exit code of an ``exit`` response (``exit_codes.EXIT_CODES``); None otherwise
+    exit_code: int | None = None
 
     @property
     def detected(self) -> bool:
@@ -122,15 +126,33 @@ def strict_json(value: Any) -> Any:
 
 
 
-def write_exit_report(directory: str | os.PathLike, code: int, outcome: StepOutcome) -> Path:
+def write_exit_report(directory: str | os.PathLike, code: int, outcome: StepOutcome,
+                      devices: list[dict[str, Any]] | None = None) -> Path:
     """Write ``sdc_guard-exit.json`` in ``directory`` (created if missing): strict JSON,
-    written to a temporary file and renamed, so a reader never sees half a report."""
+    written to a temporary file and renamed, so a reader never sees half a report.
+
+    Besides the step, classification and detections, the report says what the scheduler
+    should do (``scheduler``: "requeue" or "exclude", from ``exit_codes.EXIT_CODES``) and
+    which devices: ``suspect_devices`` are the identities (``identity.Identity``: node,
+    rank, local rank, device, UUID) of the ranks that flagged, out of ``devices`` (every
+    rank's, in rank order; None: unknown), ``drain`` those to take out of service (empty
+    for a code that does not drain) and ``exclude_nodes`` their nodes (for a code whose
+    scheduler action is "exclude")."""
+    entry = describe(code)
+    flagged = set(outcome.flagged_ranks) | set(outcome.tripped_ranks)
+    suspects = [d for d in (devices or []) if d.get("rank") in flagged]
+    drain = suspects if entry is not None and entry.drain else []
     path = Path(directory) / "sdc_guard-exit.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(strict_json({
         "exit_code": code, "step": outcome.step, "flagged_ranks": outcome.flagged_ranks,
         "classification": outcome.classification, "pid": os.getpid(),
         "detections": [asdict(d) for d in outcome.detections], "tripped_ranks": outcome.tripped_ranks,
+        "meaning": entry.meaning if entry is not None else None,
+        "scheduler": entry.scheduler if entry is not None else None,
+        "suspect_devices": suspects, "drain": drain,
+        "exclude_nodes": sorted({d["node"] for d in suspects}) if entry is not None and entry.scheduler == "exclude"
+        else [],
     }), indent=2, allow_nan=False)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -139,4 +161,3 @@ def write_exit_report(directory: str | os.PathLike, code: int, outcome: StepOutc
     finally:
         tmp.unlink(missing_ok=True)
     return path
-

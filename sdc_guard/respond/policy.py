@@ -52,6 +52,7 @@ are importable from here too.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -119,7 +120,8 @@ class Policy:
     on_nondeterministic: str = "skip"
     reruns: int = 1
     window: int = 100
-    exit_report_dir: str | os.PathLike | None = None  #: where ``exit`` writes ``sdc_guard-exit.json``
+    #: where ``exit`` writes ``sdc_guard-exit.json`` (None: ``$SDC_GUARD_EXIT_REPORT_DIR``, else nowhere)
+    exit_report_dir: str | os.PathLike | None = None
     persistent_steps: list[int] = field(default_factory=list)  #: escalation memory
     #: the user's own state a re-execution restores (Megatron's ``state_save_func`` /
     #: ``state_restore_func``): ``save_state()`` is called before each guarded step's
@@ -127,6 +129,12 @@ class Policy:
     #: re-execution and when a detected step is skipped. Both or neither.
     save_state: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
     restore_state: Callable[[Any], None] | None = field(default=None, repr=False, compare=False)
+    #: called with no argument before and after each re-execution of a step and around a
+    #: rollback's restore, so that a hang detector that expects a heartbeat per step
+    #: (nvidia-resiliency-ext's ``RankMonitorClient.send_heartbeat``) does not take a
+    #: replayed step for a hang; docs/OPERATIONS.md. A failure warns once, never stops training.
+    heartbeat: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
+    _heartbeat_failed: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_action("on_detection", self.on_detection, ACTIONS)
@@ -141,6 +149,23 @@ class Policy:
         self.persistent_steps = _check_steps(self.persistent_steps)
         _check_report_dir(self.exit_report_dir)
         check_state_functions(self.save_state, self.restore_state)
+        if self.heartbeat is not None and not callable(self.heartbeat):
+            raise TypeError(f"heartbeat: expected a callable taking no argument (such as "
+                            f"RankMonitorClient.send_heartbeat) or None, got {type(self.heartbeat).__name__} "
+                            f"{self.heartbeat!r}")
+
+    def beat(self) -> None:
+        """Call ``heartbeat`` (if any). Monitoring: an exception warns once per policy and
+        is otherwise ignored, so the response goes on exactly as without it."""
+        if self.heartbeat is None:
+            return
+        try:
+            self.heartbeat()
+        except Exception as exc:
+            if not self._heartbeat_failed:
+                self._heartbeat_failed = True
+                warnings.warn(f"sdc_guard: Policy.heartbeat failed ({type(exc).__name__}: {exc}); the response "
+                              "goes on (further failures are not reported)", RuntimeWarning, stacklevel=2)
 
     def escalate(self, step: int) -> str:
         """Action for a PERSISTENT triage at ``step``, remembering it for the window."""

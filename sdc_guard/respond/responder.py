@@ -6,6 +6,7 @@ in lockstep across ranks. What a re-execution restores is ``sdc_guard.respond.re
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -14,8 +15,9 @@ import torch
 from torch import Tensor
 
 from . import distributed
-from .outcome import (EXIT_NONDETERMINISTIC, EXIT_PERSISTENT, EXIT_TRANSIENT, SDCError, SDCExit, StepOutcome,
-                      Triage, write_exit_report)
+from .exit_codes import code_for
+from .identity import gather_identities, local_identity
+from .outcome import SDCError, SDCExit, StepOutcome, Triage, write_exit_report
 from .rerun import StepState, grads_of
 from .snapshot import SnapshotStore
 
@@ -25,6 +27,10 @@ if TYPE_CHECKING:
     from .policy import Policy
 
 log = logging.getLogger("sdc_guard")
+
+#: where the exit report goes when the policy names no ``exit_report_dir``: set by the
+#: job's scheduler script, which reads the report after the run (docs/OPERATIONS.md)
+ENV_EXIT_REPORT_DIR = "SDC_GUARD_EXIT_REPORT_DIR"
 
 
 def _signature(report: "StepReport") -> frozenset:
@@ -241,6 +247,7 @@ class Responder:
         signatures, rerun_grads = [], []
         try:
             for _ in range(self.policy.reruns):
+                self.policy.beat()  # a replayed step is progress, not a hang
                 state.restore(self._params)  # RNG, gradients, buffers, the user's state
                 self.guard.begin_step(rerun=True)
                 outcome.loss = self._call(closure)
@@ -251,6 +258,7 @@ class Responder:
                     rerun_grads.append(grads_of(self._params))
         finally:
             state.finish()  # the generators go on from where the first run left them
+            self.policy.beat()
         return signatures, rerun_grads
 
     def _apply(self, action: str, outcome: StepOutcome, state: StepState) -> None:
@@ -264,7 +272,9 @@ class Responder:
             outcome.stepped = False
         elif action == "rollback":
             self.optimizer.zero_grad(set_to_none=True)
+            self.policy.beat()  # a restore from disk can take a while
             restored = self.snapshots.restore()
+            self.policy.beat()
             outcome.rolled_back_to = restored.step
             outcome.stepped = False
         elif action == "raise":
@@ -275,14 +285,17 @@ class Responder:
             self._exit(outcome)
 
     def _exit(self, outcome: StepOutcome) -> None:
-        code = {"persistent": EXIT_PERSISTENT, "non_deterministic": EXIT_NONDETERMINISTIC}.get(
-            outcome.classification or "", EXIT_TRANSIENT)
+        code = outcome.exit_code = code_for(outcome.classification)
+        directory = self.policy.exit_report_dir or os.environ.get(ENV_EXIT_REPORT_DIR) or None
         try:
-            if self.policy.exit_report_dir is not None and distributed.rank() == 0:
-                write_exit_report(self.policy.exit_report_dir, code, outcome)
+            if directory is not None:
+                # every rank: which node and device each flagged rank is, for the report
+                devices = [i.as_dict() for i in gather_identities(local_identity(_device_of(self.guard.model)))]
+                if distributed.rank() == 0:
+                    write_exit_report(directory, code, outcome, devices)
         except Exception as exc:  # the exit code is what the scheduler acts on: keep it
             log.error("sdc_guard: could not write the exit report to %s (%s: %s); exiting with code %d anyway",
-                      self.policy.exit_report_dir, type(exc).__name__, exc, code)
+                      directory, type(exc).__name__, exc, code)
         log.error("sdc_guard: exiting with code %d (%s) at step %d", code, outcome.classification, outcome.step)
         try:
             sys.stdout.flush()
@@ -303,6 +316,11 @@ def _classify(original: frozenset, signatures: list[frozenset], rerun_grads: lis
     if original and all(s == original for s in signatures):
         return Triage.PERSISTENT
     return Triage.NON_DETERMINISTIC
+
+
+def _device_of(model: torch.nn.Module) -> torch.device | None:
+    """The device of the model's first parameter (None: a model without parameters)."""
+    return next((p.device for p in model.parameters()), None)
 
 
 def _same(a: list[Tensor | None], b: list[Tensor | None]) -> bool:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .. import backends
 from ..backends import Backend, GemmRequest
-from ..core.precision import SUPPORTED_DTYPES, resolve_screen
+from ..core.precision import SUPPORTED_DTYPES, ScreenTerms, resolve_screen
 from ..core.summary import clear_summary, summarize
 from .cache import WeightCache
 from .ops import Gemm
@@ -33,11 +33,11 @@ class Checker:
         self.backend = backend
         self.cache = cache
         self._backend_choice: dict[tuple, Backend] = {}
-        self._e_max_choice: dict[tuple, tuple[float, float]] = {}
+        self._e_max_choice: dict[tuple, tuple[float, ScreenTerms]] = {}
         #: per kind of call (``choose_backend``'s key): what every check of that kind
         #: reuses, (backend, e_max, rounding, encoder of the cached weight side or None,
         #: whether the backend answers clear checks without a request)
-        self._routes: dict[tuple, tuple[Backend, float, float, Any, bool]] = {}
+        self._routes: dict[tuple, tuple[Backend, float, ScreenTerms, Any, bool]] = {}
 
     def verify(self, gemm: Gemm) -> tuple[Tensor | None, Tensor | list[float]]:
         a, b, out, bias, alpha, beta = gemm.a, gemm.b, gemm.out, gemm.bias, gemm.alpha, gemm.beta
@@ -58,7 +58,7 @@ class Checker:
             return summarize(req, backend.check(req), weight is not None)
         return backend.summarize(req, cached=weight is not None)
 
-    def _route(self, gemm: Gemm) -> tuple[Backend, float, float, Any, bool]:
+    def _route(self, gemm: Gemm) -> tuple[Backend, float, ScreenTerms, Any, bool]:
         a = gemm.a
         choice = self._e_max_choice.get((a.device, a.dtype))
         if choice is None:

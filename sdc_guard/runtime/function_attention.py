@@ -1,11 +1,13 @@
-"""Fused attention on the compiled route: SDPA verified inside ``torch.compile`` graphs.
+"""Fused attention in the eager frames of the compiled route (docs/COMPILE.md).
 
-``F.scaled_dot_product_attention`` is one torch function to the route's function mode
-(``sdc_guard.runtime.function_mode``), and one call in the graph dynamo traces; its kernel
-(flash, efficient, ...) is chosen below it, when AOT autograd decomposes it. So the route
-does not replace the call: it makes the user's own call, unchanged, and taps autograd
-around it, so that the compiled model computes what it computes unguarded, bit for bit,
-forward and backward, whatever kernel runs and whatever the backend does with it.
+In compiled graphs SDPA is the aten kernel AOT autograd chose
+(``_scaled_dot_product_flash_attention_for_cpu``, ``..._efficient_attention``, ...) and its
+backward, checked by the graph pass like any GEMM (``runtime/graph_pass.py``, with the
+eager route's attention handlers). In an eager frame of the compiled route,
+``F.scaled_dot_product_attention`` is one torch function to the function mode
+(``sdc_guard.runtime.function_mode``), and this module checks it: it makes the user's own
+call, unchanged, and taps autograd around it, so the step computes what it computes
+unguarded, bit for bit, forward and backward, whatever kernel runs.
 
 - ``TapIn`` (before the call): the identity on ``q``, ``k``, ``v``, plus two *carriers*,
   zero tensors of the output's shape that the call does not read. Its backward receives
@@ -15,9 +17,9 @@ forward and backward, whatever kernel runs and whatever the backend does with it
 - ``TapOut`` (after the call): the identity on ``O``, with the carriers as inputs. Its
   backward hands ``dO`` on to the call's backward unchanged and returns ``dO`` and the
   saved ``O`` as the carriers' gradients, which autograd routes to ``TapIn``.
-- ``sdc_guard::check_attention``, a custom op like ``check_gemm`` (writes nothing, kept in
-  the graphs as a side effect), runs on ``O`` after the call and on the
-  gradients in ``TapIn``'s backward. Its body is the eager route's attention check
+- ``sdc_guard::check_attention``, an op like ``check_gemm`` (writes nothing,
+  ``graph_checks.check_op``), runs on ``O`` after the call and on the gradients in
+  ``TapIn``'s backward. Its body is the eager route's attention check
   (``Guard.on_attention``): the call as ``runtime.attention.function_call`` describes it
   (the kernel the dispatcher chooses for these operands, ``torch._fused_sdp_choice``, and
   the eager handlers' reasons for counting instead of verifying), the same screen
@@ -41,7 +43,7 @@ from torch import Tensor
 
 from .attention import BACKWARD_OP, FORWARD_OP, function_call
 from .function_gemm import autocast_cast, autocast_dtype
-from .graph_checks import count_check, current_sink, keep_in_graph, run_drills, trace_site, unverified
+from .graph_checks import check_op, count_check, current_sink, run_drills, unverified
 
 NAME = "scaled_dot_product_attention"
 #: ``F.scaled_dot_product_attention``'s parameters, in order, and their defaults
@@ -52,7 +54,8 @@ _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 DEVICES = ("cpu", "cuda")
 
 
-@torch.library.custom_op("sdc_guard::check_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+@check_op("check_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, Tensor? grad_out, Tensor? dq, "
+          "Tensor? dk, Tensor? dv, float dropout, bool causal, float? scale, bool gqa, str site) -> ()")
 def check_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out: Tensor,
                     grad_out: Optional[Tensor], dq: Optional[Tensor], dk: Optional[Tensor], dv: Optional[Tensor],
                     dropout: float, causal: bool, scale: Optional[float], gqa: bool, site: str) -> None:
@@ -72,15 +75,6 @@ def check_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out
         count_check()
 
 
-@check_attention.register_fake
-def _check_attention_fake(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out: Tensor,
-                          grad_out: Optional[Tensor], dq: Optional[Tensor], dk: Optional[Tensor],
-                          dv: Optional[Tensor], dropout: float, causal: bool, scale: Optional[float], gqa: bool,
-                          site: str) -> None:
-    return None
-
-
-keep_in_graph(torch.ops.sdc_guard.check_attention)
 
 
 class TapIn(torch.autograd.Function):
@@ -199,7 +193,7 @@ def route_sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
     q, k, v, mask = autocast_operands(values["query"], values["key"], values["value"], values["attn_mask"])
     dropout, causal, gqa = float(values["dropout_p"]), values["is_causal"], values["enable_gqa"]
     scale = None if values["scale"] is None else float(values["scale"])
-    site = trace_site()
+    site = ""  # an eager frame: the guard's site tracker has no hooks on this route ("global")
     options: dict[str, Any] = {"attn_mask": mask, "dropout_p": values["dropout_p"], "is_causal": causal,
                                "scale": values["scale"]}
     if gqa:

@@ -1,11 +1,12 @@
-"""GEMMs on the compiled route: the user's own call, tapped, checked forward and backward.
+"""GEMMs in the eager frames of the compiled route: the user's own call, tapped, checked
+forward and backward (docs/COMPILE.md, "Eager frames").
 
 The function mode (``sdc_guard.runtime.function_mode``) hands this module ``F.linear``,
-``torch.matmul`` / ``@``, ``mm``, ``bmm``, ``addmm`` and ``baddbmm``. As for fused attention
-(``sdc_guard.runtime.function_attention``), the route does not compute the GEMM or its
-gradients itself: it makes the user's call, unchanged, and taps autograd around it, so a
-compiled model computes what it computes unguarded, bit for bit, forward and backward
-(autograd's own backward formulas, whatever the backend does with them).
+``torch.matmul`` / ``@``, ``mm``, ``bmm``, ``addmm`` and ``baddbmm`` called outside a
+compiled graph. As for fused attention (``sdc_guard.runtime.function_attention``), the
+route does not compute the GEMM or its gradients itself: it makes the user's call,
+unchanged, and taps autograd around it, so the step computes what it computes unguarded,
+bit for bit (autograd's own backward formulas).
 
 - ``GemmTapIn`` (before the call): the identity on the call's two matrix operands, plus a
   *carrier*, a zero tensor of the output's shape that the call never reads. Its identity
@@ -15,13 +16,13 @@ compiled model computes what it computes unguarded, bit for bit, forward and bac
   both unchanged.
 - ``GemmTapOut`` (after the call): the identity on the output, with the carrier as an
   extra input; its backward passes ``g`` on to the call's backward and to the carrier.
-- ``sdc_guard::check_gemm``, a custom op that reads its tensors and writes none of them
-  (kept in the graphs as a side effect, ``graph_checks.keep_in_graph``), runs on the
-  output right after the call and on the gradients in ``GemmTapIn``'s backward. Its body
-  is the eager guard's verification (``Guard.on_gemm``). It receives the tensors as the
-  graph has them and a ``form`` saying which product they make; the body builds the
-  product's operands from them at run time (a transposed view, a batch folded into rows),
-  so no view or copy made only for the check enters the graph.
+- ``sdc_guard::check_gemm``, an op that reads its tensors and writes none of them
+  (``graph_checks.check_op``), runs on the output right after the call and on the
+  gradients in ``GemmTapIn``'s backward. Its body is the eager guard's verification
+  (``Guard.on_gemm``). It receives the tensors as the call has them and a ``form`` saying
+  which product they make; the body builds the product's operands from them (a
+  transposed view, a batch folded into rows). The ops are named as the eager route and the
+  graphs name them (``addmm`` / ``mm`` for a Linear, ``mm`` / ``bmm`` for ``matmul``).
 
 Under autocast the route makes autocast's casts itself before the taps (the same ``to``
 calls), so that the taps and the checks see the dtypes the kernel computes in; autocast
@@ -39,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .graph_checks import count_check, current_sink, keep_in_graph, resolve_site, run_drills
+from .graph_checks import check_op, count_check, current_sink, resolve_site, run_drills
 from .ops import Gemm
 
 #: what ``check_gemm``'s ``form`` says its tensors ``x``, ``y`` multiply to: ``x @ y``,
@@ -48,7 +49,8 @@ from .ops import Gemm
 FORMS = ("ab", "abt", "atb", "atb_sum")
 
 
-@torch.library.custom_op("sdc_guard::check_gemm", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+@check_op("check_gemm(Tensor x, Tensor y, Tensor out, Tensor? bias, float alpha, float beta, str form, "
+          "Tensor? anchor, str op, str site, str phase) -> ()")
 def check_gemm(x: Tensor, y: Tensor, out: Tensor, bias: Optional[Tensor], alpha: float, beta: float,
                form: str, anchor: Optional[Tensor], op: str, site: str, phase: str) -> None:
     """Verify ``out == beta * bias + alpha * product`` with this thread's guard, the
@@ -65,13 +67,6 @@ def check_gemm(x: Tensor, y: Tensor, out: Tensor, bias: Optional[Tensor], alpha:
         count_check()
 
 
-@check_gemm.register_fake
-def _check_gemm_fake(x: Tensor, y: Tensor, out: Tensor, bias: Optional[Tensor], alpha: float, beta: float,
-                     form: str, anchor: Optional[Tensor], op: str, site: str, phase: str) -> None:
-    return None
-
-
-keep_in_graph(torch.ops.sdc_guard.check_gemm)
 
 
 def _matrix(t: Tensor) -> Tensor:

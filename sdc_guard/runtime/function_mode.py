@@ -1,33 +1,30 @@
-"""The compiled route: GEMMs verified inside ``torch.compile`` graphs (docs/COMPILE.md).
+"""The compiled route's function mode: the block's mark for dynamo, and the eager frames'
+GEMMs (docs/COMPILE.md).
 
-Dynamo skips every frame while a (non-infra) ``TorchDispatchMode`` is active, so the
-dispatch mode of ``sdc_guard.runtime.intercept`` turns the compiler off. This route
-intercepts one level up, where dynamo traces: a ``TorchFunctionMode`` that sends
-``F.linear``, ``torch.matmul`` / ``@``, ``mm``, ``bmm``, ``addmm`` and ``baddbmm`` through the GEMM taps
-(``sdc_guard.runtime.function_gemm``): the user's own call, unchanged, between two
-``autograd.Function`` identities that hand its output to ``sdc_guard::check_gemm`` and, in
-the backward, its two operand gradients. Dynamo traces the mode and the taps into the
-graphs (no graph break); ``check_gemm`` is a
-``torch.library.custom_op`` that returns nothing and writes nothing, registered as a side
-effect (``graph_checks.keep_in_graph``), which keeps it in the forward and backward graphs
-through AOT autograd and inductor, in every graph of a model with graph breaks.
+On the compiled route the GEMMs of compiled code are checked by nodes the graph pass puts
+into the graphs AOT autograd partitions (``runtime/graph_pass.py``). This mode does the
+rest, and nothing where dynamo traces (there it passes every function through, so the
+graphs are the user's own):
 
-What ``check_gemm`` runs is the eager guard's own verification (``Guard.on_gemm``): the
-same screen on the same backends, the same exact confirmation, the same ledger whose
-flags stay on the device until the step's one host read. Dynamo never looks inside a
-custom op, so nothing of it is traced; the op's arguments carry what the graph knows at
-trace time (the op name, the phase, the module path of the call), and the guard of this
-thread is found at run time. Outside ``protect()`` the mode is off and dynamo, whose
-guards include the function-mode stack, runs the graph it compiled without checks: a
-model compiled under ``protect()`` compiles normally outside it (two cache entries, no
-recompilation after the first of each).
+- It marks the ``protect()`` block. Dynamo guards on the function-mode stack, so a frame
+  compiled while the mode is on gets a cache entry of its own (compiled with the checks,
+  the pass being installed then), and outside the block the entry without them runs, or
+  is compiled: no ``torch._dynamo.reset()``, no recompilation per step. On the dispatch
+  route the guard enters it too, as a mark only (``compiled=False`` of the mode), so
+  that compiled code met in the block compiles apart from the same code outside it
+  (``Guard.compiled_code_met``).
+- In eager frames (a loss head outside the compiled module, the code between graph
+  breaks) it sends ``F.linear``, ``torch.matmul`` / ``@``, ``mm``, ``bmm``, ``addmm`` and
+  ``baddbmm`` through the eager taps (``runtime/function_gemm.py``: the user's own call,
+  checked forward and backward with ``check_gemm``) and ``F.scaled_dot_product_attention``
+  through the attention taps (``runtime/function_attention.py``); functions that multiply
+  matrices inside one call (``einsum``, convolutions, ...) are counted in
+  ``unverified_ops``. Calls with ``out=`` (what inductor's generated code calls at run
+  time, its extern GEMM kernels) and aten overloads (what an ``aot_eager`` graph calls)
+  pass through: their checks are nodes of their graphs.
 
-Fused attention (``F.scaled_dot_product_attention``) takes the same way with a check op of
-its own, ``sdc_guard::check_attention`` (``sdc_guard.runtime.function_attention``). Adding a
-torch function is one entry in ``ROUTES``: a function from the call's ``(func, args,
-kwargs)`` to its result that calls ``check_gemm`` (or a check op of its own) on what it
-computed, and that is traceable by dynamo. What the check ops share (this thread's guard
-and drills, the count of checks run, the site of a traced call) is in
+Adding a torch function for eager frames is one entry in ``ROUTES``. What the check ops
+share (this thread's guard and drills, the count of checks run) is in
 ``sdc_guard.runtime.graph_checks``.
 """
 
@@ -35,20 +32,24 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch._ops import HigherOrderOperator
 from torch.overrides import TorchFunctionMode
 
 from .function_attention import route_sdpa
 from .function_gemm import CheckedGemm, autocast_cast, autocast_dtype, linear_call, parameter_of, tapped
 from .graph_checks import (  # noqa: F401  (set_sink ... module_path: also importable from here)
     CheckSink, add_drill, checks_run, count_check, current_sink, inductor_keeps, keep_in_graph, module_path,
-    remove_drill, run_drills, set_sink, trace_site, unverified,
+    remove_drill, run_drills, set_sink, unverified,
 )
+
+#: the site a tap in an eager frame passes: none known; the module owning the GEMM's
+#: parameter operand names it at run time, else ``"global"`` (``graph_checks.resolve_site``)
+EAGER_SITE = ""
 
 _FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -80,7 +81,8 @@ def _route_linear(func: Callable, args: tuple, kwargs: dict) -> Any:
     x, w, bias = autocast_cast(x, dtype), autocast_cast(w, dtype), autocast_cast(bias, dtype)
     if not _checkable(x, w, bias):
         return _unrouted(func, (x, w, bias), {}, "linear")
-    return tapped(linear_call(bias), x, w, "linear", "linear", trace_site(), bias=bias, anchor=anchor)
+    op = "addmm" if bias is not None else "mm"  # what the eager route and the graphs call it
+    return tapped(linear_call(bias), x, w, "linear", op, EAGER_SITE, bias=bias, anchor=anchor)
 
 
 def _route_matmul(kind: str) -> Callable:
@@ -100,13 +102,13 @@ def _route_matmul(kind: str) -> Callable:
         a, b = autocast_cast(a, dtype), autocast_cast(b, dtype)
         if not _checkable(a, b):
             return _unrouted(call, (a, b), {}, kind)
-        site = trace_site()
+        site = EAGER_SITE
         if b.dim() == 2:
-            return tapped(call, a, b, "fold", kind, site, anchor=anchor)
+            return tapped(call, a, b, "fold", "mm", site, anchor=anchor)
         if a.dim() == b.dim() and a.shape[:-2] == b.shape[:-2]:
             if a.dim() > 3:  # as torch.matmul computes it: the batch dims reshaped into one, bmm
                 return _batched_matmul(a, b, site, anchor)
-            return tapped(call, a, b, "batch", kind, site, anchor=anchor)
+            return tapped(call, a, b, "batch", "bmm" if a.dim() > 2 else "mm", site, anchor=anchor)
         if kind != "matmul":  # shapes mm / bmm refuse: the call raises as called
             return call(a, b)
         if b.dim() == 1:  # a matrix or a batch times a vector
@@ -125,7 +127,7 @@ def _batched_matmul(a: Tensor, b: Tensor, site: str, anchor: Tensor | None) -> T
     heads of an attention's ``q @ k^T``, views into one projection, are copied once by that
     reshape (as they are unguarded) instead of a second time for the check."""
     batch, m, n = a.shape[:-2], a.shape[-2], b.shape[-1]
-    out = tapped(torch.bmm, a.reshape(-1, m, a.shape[-1]), b.reshape(-1, b.shape[-2], n), "batch", "matmul",
+    out = tapped(torch.bmm, a.reshape(-1, m, a.shape[-1]), b.reshape(-1, b.shape[-2], n), "batch", "bmm",
                  site, anchor=anchor)
     return out.view(*batch, m, n)
 
@@ -147,7 +149,7 @@ def _route_addmm(kind: str) -> Callable:
         a, b, bias = autocast_cast(a, dtype), autocast_cast(b, dtype), autocast_cast(bias, dtype)
         if not _checkable(a, b, bias):
             return _unrouted(call, (bias, a, b), kwargs, kind)
-        return tapped(lambda x, y: call(bias, x, y, **kwargs), a, b, "batch", kind, trace_site(), float(alpha),
+        return tapped(lambda x, y: call(bias, x, y, **kwargs), a, b, "batch", kind, EAGER_SITE, float(alpha),
                       bias, float(beta), anchor)
     return route
 
@@ -197,16 +199,25 @@ UNVERIFIED_FUNCTIONS: dict[Callable, str] = {
 
 
 class GemmFunctionMode(TorchFunctionMode):
-    """Routes GEMM-level torch functions through their checked routes (``ROUTES``; see the
-    module doc).
+    """The guard's function mode (see the module doc). Entered by the guard for its
+    ``protect()`` block on its own thread (mode stacks are thread-local) and left when the
+    block exits or a step is not watched.
 
-    Entered by the guard for its ``protect()`` block on its own thread (mode stacks are
-    thread-local) and left when the block exits or a step is not watched. Every other
-    function passes through unchanged: once at trace time in a compiled frame, on every
-    call in an eager one.
+    Dynamo guards on the function-mode stack, so a frame compiled while this mode is on
+    gets a cache entry of its own, compiled with the graph checks, and the entry it had
+    (or gets) outside the block has none. Where dynamo traces, the mode passes every
+    function through: the graphs are the user's own, and the checks are put into them
+    after partitioning (``runtime/graph_pass.py``). In eager code it is what ``compiled``
+    says: on the compiled route (``True``) it sends GEMM functions through the eager taps
+    (``ROUTES``); on the dispatch route (``False``) it only marks the block, and the
+    dispatch mode verifies eager code.
     """
 
     ops = 0  #: never counted: a count kept in traced code would be a side effect per call
+
+    def __init__(self, compiled: bool = True) -> None:
+        super().__init__()
+        self.compiled = compiled
 
     def __enter__(self) -> "GemmFunctionMode":
         warn_if_inductor_drops_checks()
@@ -214,26 +225,15 @@ class GemmFunctionMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling() or not self.compiled:  # in this order: dynamo reads no attribute
+            return func(*args, **kwargs)
         route = ROUTES.get(func)
         if route is not None:
             return route(func, args, kwargs)
         name = UNVERIFIED_FUNCTIONS.get(func)
-        if name is None and isinstance(func, HigherOrderOperator) and not _run_by_a_graph(args):
-            # torch.cond, while_loop, flex attention, ...: dynamo traces their bodies as
-            # subgraphs without this mode, so their GEMMs cannot be tapped here; counted
-            # under the eager route's name for an opaque HOP (``_name``: dynamo cannot
-            # trace ``name()``)
-            name = f"higher_order.{func._name}"
         if name is not None:
             unverified(name)
         return func(*args, **kwargs)
-
-
-def _run_by_a_graph(args: tuple) -> bool:
-    """Whether a higher-order op reaches the mode from a graph dynamo compiled (an
-    ``aot_eager`` graph calls it at run time, its bodies traced into ``GraphModule``
-    arguments): that graph already counts it, with the op put there when it was traced."""
-    return not torch.compiler.is_compiling() and any(isinstance(a, torch.fx.GraphModule) for a in args)
 
 
 def _eager_when_called_eagerly(code: Any) -> bool:
@@ -278,7 +278,20 @@ def function_mode_active() -> bool:
 
 def is_compiled(model: torch.nn.Module) -> bool:
     """Whether ``model`` or one of its modules is compiled (``torch.compile(model)``,
-    ``model.compile()``): then ``protect()`` takes the compiled route."""
+    ``model.compile()``), or ran compiled code under an earlier guard (``note_compiled``):
+    then ``protect()`` takes the compiled route from the start."""
+    if model in _ran_compiled:
+        return True
     from torch._dynamo.eval_frame import OptimizedModule
     return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
                for m in model.modules())
+
+
+#: models whose guarded steps ran compiled code (``torch.compile(model)`` called under
+#: ``protect(model)``, a compiled training step): their next guards start compiled
+_ran_compiled: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def note_compiled(model: torch.nn.Module) -> None:
+    """Remember that ``model``'s guarded steps run compiled code (``is_compiled``)."""
+    _ran_compiled.add(model)

@@ -1,18 +1,19 @@
-"""What the compiled route's in-graph checks share (docs/COMPILE.md).
+"""What the compiled route's check ops share (docs/COMPILE.md).
 
-The compiled route puts custom ops into ``torch.compile``'s graphs: ``check_gemm``
-(``function_mode``) and ``check_attention`` (``function_attention``). Their bodies run at
-run time, outside anything dynamo traced, and need three things that only the running
-thread knows: the guard to report to (its *sink*), the fault drills that may corrupt an
-output just before it is checked, and, at trace time, the module path of the call. They
-live here, below both check ops, so that neither imports the other.
+The compiled route's check ops: ``check_node`` (``runtime/graph_ops.py``, put into the
+compiled graphs by the graph pass), ``note_unverified`` (here), and the eager frames'
+``check_gemm`` (``function_gemm``) and ``check_attention`` (``function_attention``).
+Their bodies run when the code runs and need what only the running thread knows: the
+guard to report to (its *sink*), the fault drills that may corrupt an output just before
+it is checked, and the model's module names for the site. They live here, below every
+check op, so that none imports another.
 
-A custom op that returns nothing and writes nothing is dead code to dynamo, AOT autograd
-and inductor. The check ops are registered as side effects instead (``keep_in_graph``:
-``torch.fx.node.has_side_effect``), which every one of them honours, and declare no write:
-an op that wrote a shared tensor (a counter) had that tensor saved for its backward, and the
-next graph's checks rewrote it before that backward ran, so a graph break inside a compiled
-model made its backward fail. Their order in a graph is their data's.
+An op that returns nothing and writes nothing is dead code to dynamo, AOT autograd and
+inductor. The check ops are registered as side effects instead (``keep_in_graph``:
+``torch.fx.node.has_side_effect``), which every one of them honours, and declare no write
+(an op that wrote a shared tensor, a counter, had that tensor saved for its backward, and
+the next graph's checks rewrote it before that backward ran: the backward of a model with
+a graph break failed). Their order in a graph is their data's.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class CheckSink(Protocol):
     def on_attention(self, call: AttentionCall, site: str | None = None, phase: str | None = None) -> None: ...
     def on_unverified(self, op: str) -> None: ...
     def on_write(self, tensors: list[Tensor]) -> None: ...
+    def charge(self, seconds: float) -> None: ...
     @property
     def module_names(self) -> ModuleNames: ...
 
@@ -121,6 +123,32 @@ def keep_in_graph(op: Any) -> None:
             torch.fx.node._side_effectful_functions.add(target)
 
 
+#: the library of sdc_guard's check ops (``check_op``)
+_LIB = torch.library.Library("sdc_guard", "DEF")
+
+
+def check_op(schema: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Define ``sdc_guard::<schema>`` (an op that returns nothing and writes nothing) with
+    the decorated function as its kernel on every backend, a fake kernel that does nothing,
+    the ``cudagraph_unsafe`` tag, and the side-effect registration that keeps it in the
+    graphs (``keep_in_graph``). A plain ``torch.library`` definition rather than
+    ``torch.library.custom_op``: this op runs once per GEMM in the compiled graphs, and
+    ``custom_op``'s autograd wrapper cost about 45 us a call more (54 us against 8.5 us for
+    an empty body, measured on this machine)."""
+    def register(fn: Callable[..., None]) -> Callable[..., None]:
+        name = schema.split("(", 1)[0]
+        _LIB.define(schema, tags=(torch.Tag.cudagraph_unsafe,))
+        _LIB.impl(name, fn, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"sdc_guard::{name}", _nothing, lib=_LIB)
+        keep_in_graph(getattr(torch.ops.sdc_guard, name))
+        return fn
+    return register
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
 def inductor_keeps(op: Any) -> bool | None:
     """Whether this torch's inductor keeps ``op`` (registered by ``keep_in_graph``) in its
     graphs: ``FallbackKernel.has_side_effects`` asked about it. Inductor versions that only
@@ -139,7 +167,7 @@ def inductor_keeps(op: Any) -> bool | None:
 ANCHOR = torch.zeros(1)
 
 
-@torch.library.custom_op("sdc_guard::note_unverified", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+@check_op("note_unverified(Tensor anchor, str op) -> ()")
 def note_unverified(anchor: Tensor, op: str) -> None:
     """Count a GEMM-bearing call the route cannot verify (``StepReport.unverified_ops``)."""
     sink = _local.sink
@@ -147,12 +175,6 @@ def note_unverified(anchor: Tensor, op: str) -> None:
         sink.on_unverified(op)
 
 
-@note_unverified.register_fake
-def _note_unverified_fake(anchor: Tensor, op: str) -> None:
-    return None
-
-
-keep_in_graph(torch.ops.sdc_guard.note_unverified)
 
 
 def unverified(op: str) -> None:
@@ -160,49 +182,21 @@ def unverified(op: str) -> None:
     torch.ops.sdc_guard.note_unverified(ANCHOR, op)
 
 
-@torch._dynamo.assume_constant_result
-def trace_site() -> str:
-    """The module path of the call being traced, read from dynamo's module stack at trace
-    time (a constant of the graph); ``""`` outside dynamo. The stack's paths start at the
-    variable that holds the root of the frame dynamo compiles; when that root is one of
-    the protected model's modules but not the model (a submodule's ``forward`` compiled on
-    its own after a graph break), the path is completed with that module's name. Private
-    dynamo state: if it is not where this expects, the site is ``""`` (the guard then says
-    ``"global"``)."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-        tx = InstructionTranslator.current_tx()
-        if tx is None:
-            return ""
-        stack = tx.output.current_tx.nn_module_stack
-        path = list(stack.values())[-1][0] if stack else "L['self']"
-        root = _frame_root(tx.output.root_tx, path)
-        sink = _local.sink
-        prefix = sink.module_names.of_module(root) if sink is not None and root is not None else None
-    except Exception:
-        return ""
-    return ".".join(p for p in (prefix, module_path(path)) if p)
-
-
-def _frame_root(root_tx: Any, path: str) -> Any:
-    """The object behind the root variable of a module-stack path (``L['self']`` ...),
-    looked up in the compiled frame's locals or globals; ``None`` if there is none."""
-    match = re.match(r"([LG])\[['\"]([^'\"]+)['\"]\]", path)
-    if match is None:
-        return None
-    scope = root_tx.f_locals if match.group(1) == "L" else root_tx.f_globals
-    return scope.get(match.group(2))
-
-
-def resolve_site(site: str, anchor: Tensor | None) -> str:
-    """The run-time site of a check traced at ``site``: where the GEMM has a parameter
-    operand (``anchor``), the module that owns it (``module_names.run_time_site``), so that
-    a graph dynamo shares between instances of a module names the instance that ran it; in
-    an eager frame (``site`` empty), that module if it is the only one owning it."""
+def resolve_site(site: str, anchor: Tensor | list[Tensor] | None) -> str:
+    """The run-time site of a check made at ``site``: where the GEMM has a parameter
+    operand (``anchor``; of a list, the first that is a parameter of the model), the module
+    that owns it (``module_names.run_time_site``), so that a graph dynamo shares between
+    instances of a module names the instance that ran it; where ``site`` is empty (an
+    eager frame, a graph node without a module), that module if it is the only one
+    owning it."""
     sink = _local.sink
     if anchor is None or sink is None:
         return site
-    owners = sink.module_names.owners(anchor)
+    owners: tuple[str, ...] = ()
+    for candidate in anchor if isinstance(anchor, list) else (anchor,):
+        owners = sink.module_names.owners(candidate)
+        if owners:
+            break
     if not site:
         return owners[0] if len(owners) == 1 else site
     return run_time_site(site, owners)

@@ -25,18 +25,19 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import _get_current_function_mode
-from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .calibration import DEFAULT_EVERY, Replays
 from .cache import WeightCache, persistent_parameters
-from .function_mode import GemmFunctionMode, is_compiled, set_sink
+from .function_mode import is_compiled, note_compiled
 from .intake import CheckIntake, active_guards
+from .interception import Interception
 from .intercept import GemmInterceptor, SiteTracker, module_hook_seconds, round_trip_seconds
 from ..core.precision import check_screen
 from .ledger import StepLedger
 from .module_names import ModuleNames
 from .report import StepReport
+from ..respond.events import resolve_events
 from ..respond.outcome import StepOutcome
 from ..respond.policy import Policy
 from ..respond.responder import Responder
@@ -74,20 +75,26 @@ class Guard(CheckIntake):
         screen: str = "default",
         compiled: bool | None = None,
         calibrate_every: int | None = DEFAULT_EVERY,
+        events: Any = None,
     ) -> None:
         check_guard_arguments(model, sampler=sampler, e_max=e_max, backend=backend, history=history,
                               cache_bytes=cache_bytes, rank=rank, policy=policy, snapshots=snapshots,
                               metrics=metrics, stats=stats, compiled=compiled, calibrate_every=calibrate_every)
         self.screen = check_screen(screen)
-        #: the compiled route (docs/COMPILE.md): a function mode dynamo traces, checks inside
-        #: the graphs; else the dispatch mode, which makes dynamo run every frame eagerly
+        #: the compiled route (docs/COMPILE.md): checks put into the compiled graphs, the
+        #: eager frames through the function mode's taps; else the dispatch mode. ``None``
+        #: (the default) starts on the dispatch route for a model that is not compiled and
+        #: switches when dynamo compiles a frame inside the block (``compiled_code_met``)
         self.compiled = compiled if compiled is not None else is_compiled(model)
+        self._compiled_arg = compiled
         #: per-site screen D/T statistics (``protect(stats=True)``), else ``None``
         self.screen_stats: ScreenStats | None = ScreenStats() if stats else None
         self.model = model
         self.policy = policy if policy is not None else Policy()
         self.snapshots = snapshots
         self.metrics = metrics
+        #: structured events (``respond/events.py``): ``events``, else ``$SDC_GUARD_EVENTS``
+        self.events = resolve_events(events, next((p.device for p in model.parameters()), None))
         self.outcomes: deque[StepOutcome] = deque(maxlen=history)
         self._responder: Responder | None = None
         self._attempt = 0
@@ -100,11 +107,7 @@ class Guard(CheckIntake):
         self._sites = SiteTracker(model)
         #: module paths by module and parameter, for the compiled route's sites
         self.module_names = ModuleNames(model)
-        self._mode: GemmInterceptor | GemmFunctionMode | None = None
-        #: this activation's dispatch mode, entered again after a pause (a GEMM-free
-        #: optimizer step, a calibration replay) so that its per-op caches stay warm
-        self._interceptor: GemmInterceptor | None = None
-        self._previous_sink: Any = None  #: the compiled route's sink before ours (nested guards)
+        self._interception = Interception(self)  #: the modes on this guard's thread
         self._active = False  #: interception asked for (activate/deactivate)
         self._watching = True  #: the open step's GEMMs are to be seen (the sampler's call)
         self._watched_last = False  #: the previous step was watched (its writes were observed)
@@ -231,9 +234,8 @@ class Guard(CheckIntake):
         self._step_open = False
         if self._provisional:  # opened by optimizer_step: did the block end right after it?
             note_block_end(self.model, after_step=not keep_empty)
-        if self._mode is not None:  # the step's ops so far; the mode goes on for the next step
-            self._ledger.ops += self._mode.ops
-            self._mode.ops = 0
+        self._interception.retiring = False  # the next step's modes are the compiled route's alone
+        self._ledger.ops += self._interception.take_ops()  # the mode goes on for the next step
         self._ledger.module_calls += self._sites.calls
         self._sites.calls = 0
         round_trip = round_trip_seconds() if self._ledger.ops else 0.0
@@ -260,6 +262,7 @@ class Guard(CheckIntake):
             report.gradient_screen_tripped = screened.tripped
             report.gradient_ratio = screened.worst_ratio
             report.gradient_total_ratio = screened.total_ratio
+            report.gradient_sigmas = screened.worst_sigmas
             report.nonfinite_grads = screened.nonfinite
         self.reports.append(report)
         self.publish("observe_report", report)
@@ -390,7 +393,7 @@ class Guard(CheckIntake):
         started = time.perf_counter()
         self._optimizers.remove()
         self._sync_mode()
-        self._interceptor = None  # the next activation builds its own (handlers added since included)
+        self._interception.interceptor = None  # the next activation builds its own (handlers added since)
         self.charge(time.perf_counter() - started)
 
     @property
@@ -408,35 +411,56 @@ class Guard(CheckIntake):
 
     @property
     def intercepting(self) -> bool:
-        """Whether the dispatch mode is on now (active, and the step is watched)."""
-        return self._mode is not None
+        """Whether interception is on now (active, and the step is watched)."""
+        return self._interception.on
+
+    @property
+    def _mode(self) -> GemmInterceptor | None:
+        """The dispatch mode while it is entered (calibration replays ask)."""
+        return self._interception.mode
+
+    @property
+    def active(self) -> bool:
+        """Whether this guard is active (between ``activate`` and ``deactivate``)."""
+        return self._active
+
+    @property
+    def compiled_argument(self) -> bool | None:
+        """``protect``'s ``compiled`` argument (``None``: the guard picks, and may switch)."""
+        return self._compiled_arg
+
+    @property
+    def site_tracker(self) -> SiteTracker:
+        """The dispatch route's site tracker (its module hooks, the autograd nodes' labels)."""
+        return self._sites
 
     def _sync_mode(self) -> None:
-        """Enter the dispatch mode when active and watching, leave it otherwise.
-
-        Mode stacks are last-in first-out: if another mode was entered above ours (a
-        profiler inside ``protect()``), an unwatched step keeps ours in place rather than
-        pop the wrong one, and ``on_gemm`` ignores what it sees.
-        """
+        """Enter the modes when active and watching, leave them otherwise
+        (``runtime/interception.py``)."""
         wanted = self._active and self._watching and not self._paused and not self.replays.bare
-        if wanted and self._mode is None:
-            if self.compiled:
-                self._mode = GemmFunctionMode()
-                self._previous_sink = set_sink(self)
-            else:
-                if self._interceptor is None:
-                    self._interceptor = GemmInterceptor(self, self._sites)
-                self._mode = self._interceptor
-            self._mode.__enter__()
-        elif not wanted and self._mode is not None and (
-                not self._active or self._mode in (_get_current_dispatch_mode(), _get_current_function_mode())):
-            self._mode.__exit__(None, None, None)
-            if self.compiled:
-                set_sink(self._previous_sink)
-                self._previous_sink = None
-            self._ledger.ops += self._mode.ops
-            self._mode.ops = 0
-            self._mode = None
+        self._ledger.ops += self._interception.sync(wanted)
+
+    def compiled_code_met(self) -> bool:
+        """Called by the dispatch mode when dynamo is about to compile a frame inside the
+        block (a ``torch.compile(model)`` wrapper, a compiled submodule or training step the
+        guard could not see from the model): switch to the compiled route for the rest of
+        the block, so that the frame compiles, with the checks in its graphs, and leaves
+        nothing behind. Returns whether the frame may compile: not under
+        ``protect(compiled=False)``, where it runs eagerly, verified by the dispatch mode.
+
+        The dispatch mode stays on until the step closes, verifying only the backward of
+        the GEMMs it verified before (autograd nodes older than now); the eager frames
+        are the function mode's from here on. The model is remembered, so its next
+        guards start compiled."""
+        if self._compiled_arg is False or self.compiled or not self._active:
+            return self.compiled
+        started = time.perf_counter()
+        self.compiled = True
+        note_compiled(self.model)
+        self._interception.to_compiled()
+        self._sync_mode()
+        self._ledger.hook_seconds += time.perf_counter() - started
+        return True
 
     def _sync_optimizer_hooks(self) -> None:
         """Optimizer-step hooks only while active and watching: an unwatched step needs
@@ -461,18 +485,19 @@ class Guard(CheckIntake):
         self._carry = 0.0
 
     def publish(self, method: str, item: Any) -> None:
-        """Hand a report or outcome to the metrics sink (``method``: ``"observe_report"``
-        or ``"observe_outcome"``); a failure there warns once per sink in total, across
+        """Hand a report or outcome to the metrics sink and the event log (``method``:
+        ``"observe_report"`` or ``"observe_outcome"``); a failure there warns once per sink in total, across
         the per-step ``protect()`` blocks that share it. Public because the responder
         (``respond/policy.py``) publishes the step's outcome."""
-        if self.metrics is None:
-            return
-        try:
-            getattr(self.metrics, method)(item)
-        except Exception as exc:  # monitoring never stops training
-            self._warn_once("metrics", f"sdc_guard: metrics {method} failed ({type(exc).__name__}: "
-                            f"{exc}); training continues (further failures of this sink are not reported)",
-                            owner=self.metrics)
+        for sink in (self.metrics, self.events):  # the event log warns for its own target
+            if sink is None:
+                continue
+            try:
+                getattr(sink, method)(item)
+            except Exception as exc:  # monitoring never stops training
+                self._warn_once("metrics", f"sdc_guard: metrics {method} failed ({type(exc).__name__}: "
+                                f"{exc}); training continues (further failures of this sink are not reported)",
+                                owner=sink)
 
     def _warn_once(self, key: str, message: str, *, owner: Any = None) -> None:
         """Warn once per ``key`` and ``owner`` (default: the model): the state lives with
@@ -503,6 +528,7 @@ def protect(
     screen: str = "default",
     compiled: bool | None = None,
     calibrate_every: int | None = DEFAULT_EVERY,
+    events: Any = None,
 ) -> Guard:
     """Verify the GEMMs ``model`` runs inside the block, forward and backward.
 
@@ -521,17 +547,22 @@ def protect(
     far the threshold sits from this model's data); ``screen`` chooses the screen's
     threshold, ``"default"`` or ``"tight"`` (``sdc_guard.core.precision.SCREENS``: the tight one
     sees smaller errors and suspects more clean products, each cleared exactly);
-    ``compiled`` chooses the route: ``True`` checks the GEMMs inside ``torch.compile``'s
-    graphs (a function mode dynamo traces, docs/COMPILE.md), ``False`` uses the dispatch
-    mode (compiled frames then run eagerly), ``None`` is ``True`` when the model or one of
-    its modules is compiled (pass ``True`` for a compiled function that runs the model);
+    ``compiled`` chooses the route: ``True`` checks the GEMMs of compiled code by nodes put
+    into its graphs (docs/COMPILE.md), ``False`` uses the dispatch mode (frames dynamo has
+    not compiled then run eagerly), ``None`` (the default) is ``True`` when the model or one
+    of its modules is compiled and otherwise switches to ``True`` when dynamo is about to
+    compile a frame inside the block (a ``torch.compile(model)`` wrapper, a compiled
+    training step);
     ``calibrate_every`` (default 100): ``optimizer_step`` measures what interception
     really costs by running a watched step's closure once more with interception off,
     its effects undone, on the watched steps numbered 1, 2, 4, 8 and 16 and then every
     ``calibrate_every``-th (in the long run about 1 % of their time;
     ``sdc_guard.runtime.calibration``),
     so that ``StepReport.overhead`` is the guard's whole cost; ``None`` never replays (the
-    closure then runs once per step, and the reported interception stays an estimate).
+    closure then runs once per step, and the reported interception stays an estimate);
+    ``events``: where a JSON line goes for each detection, response and exit (a path, ``"-"``
+    for standard error, a text stream or a callable; default ``$SDC_GUARD_EVENTS``, else
+    none; ``sdc_guard.respond.events``, docs/OPERATIONS.md).
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     >>> with protect(model) as guard:
@@ -541,4 +572,4 @@ def protect(
     """
     return Guard(model, sampler=sampler, e_max=e_max, backend=backend, history=history,
                  cache_bytes=cache_bytes, policy=policy, snapshots=snapshots, metrics=metrics, stats=stats,
-                 screen=screen, compiled=compiled, calibrate_every=calibrate_every)
+                 screen=screen, compiled=compiled, calibrate_every=calibrate_every, events=events)

@@ -1,11 +1,13 @@
 """Fault drills: corrupt chosen GEMM outputs or parameters, reproducibly.
 
 A drill proves, on the user's own model, that a corruption is caught, attributed and
-handled. ``drill(model, GemmFault(...))`` is a dispatch mode that flips chosen bits of
-chosen elements in the output of chosen GEMMs (by site, op, phase, step and call index),
-once (``sticky=False``: a transient upset) or on every matching call (``sticky=True``: a
-faulty unit). ``flip_parameter_bit`` corrupts a weight in memory, the way a bad DRAM cell
-or a stray write would: without bumping the tensor's version counter.
+handled. ``drill(model, GemmFault(...))`` is a dispatch mode that corrupts chosen elements
+of the output of chosen GEMMs (by site, op, phase, step and call index), once
+(``sticky=False``: a transient upset) or on every matching call (``sticky=True``: a faulty
+unit), with one of the fault models of ``sdc_guard.runtime.fault_models`` (``kind``: one
+or several flipped bits, a stuck bit, tile-aligned periodic patterns, a zeroed tile,
+swapped rows, NaN or Inf). ``flip_parameter_bit`` corrupts a weight in memory, the way a
+bad DRAM cell or a stray write would: without bumping the tensor's version counter.
 
 Order matters when stacking with ``protect()``: the injector must be entered first, so
 the guard sees the corrupted output the model sees::
@@ -14,7 +16,8 @@ the guard sees the corrupted output the model sees::
         ...
 
 Entering it inside an active ``protect()`` raises, because the guard would verify the
-clean output and the drill would silently prove nothing.
+clean output and the drill would silently prove nothing. Another kind of drill (a fault in
+a collective, say) is a dataclass of its own in a module of its own, beside this one.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
+from . import fault_models
 from .attention import ATTENTION_HANDLERS, BACKWARD_OP, FORWARD_OP, fault_target, op_name
 from .function_mode import function_mode_active
 from .graph_checks import add_drill, current_sink, remove_drill
@@ -35,11 +39,14 @@ from .schedule import current_step
 from .intercept import GEMM_HANDLERS, GLOBAL_SITE, GemmInterceptor, SiteTracker, current_phase
 from .ops import Route, RoutingMode
 
-_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+_INT_VIEW = fault_models.INT_VIEW
 _TOP_EXPONENT_BIT = {torch.float32: 30, torch.float16: 14, torch.bfloat16: 14}
 DIRECTIONS = ("on", "off", "flip")
 #: Bits of the widest dtype a GEMM output can have (float32).
 MAX_BIT_WIDTH = 32
+#: The tile (rows, columns) of the tile-aligned fault models, and the stride of the periodic ones.
+DEFAULT_TILE = (64, 64)
+DEFAULT_PERIOD = 8
 
 
 @dataclass
@@ -51,14 +58,26 @@ class GemmFault:
     ``call`` counts matching calls within the step from 0 (re-executions of the step by
     the recompute response included); ``element`` indexes the output (if omitted: drawn
     from the injector's seed, once for a sticky fault, which like a faulty unit then hits
-    the same position every time; clipped to smaller outputs); ``bit`` defaults to the
-    highest exponent bit and ``direction`` to ``"on"`` (0 -> 1; ``"off"`` is 1 -> 0,
-    ``"flip"`` toggles). A bit already in the requested state leaves the value unchanged
-    and the event is recorded as a no-op.
+    the same position every time; clipped to smaller outputs).
+
+    ``kind`` is the fault model (``sdc_guard.runtime.fault_models``), ``"bit"`` by default:
+    ``bit`` (default the highest exponent bit) or several ``bits`` of the element are set
+    (``direction="on"``, the default: 0 -> 1), cleared (``"off"``) or toggled (``"flip"``); a
+    bit already in the requested state leaves the value unchanged and the event is
+    recorded as a no-op. ``"stuck"``: those bits stuck at 1 (``"on"``) or 0 (``"off"``) at
+    one position on every matching call (always sticky: a faulty lane). ``"rows"`` /
+    ``"columns"``: the bits changed at every ``period``-th row (default 8) of the element's
+    column, or column of its row, within the ``tile`` (default 64 x 64, aligned) that holds
+    it. ``"zero_tile"``: that tile zeroed; ``"swap_rows"``: the element's row exchanged
+    with row ``row ^ 1`` within the tile's columns; ``"nan"``, ``"inf"``: the element
+    replaced by NaN or by an infinity of its sign.
 
     Fused attention (``scaled_dot_product_attention``'s kernels) is targeted with
     ``op="sdpa"`` (the forward output ``O``, ``[B, H, L, Dv]``) or ``op="sdpa_backward"``
     with ``output`` 0 (grad_query, the default), 1 (grad_key) or 2 (grad_value).
+
+    >>> GemmFault(kind="stuck", bits=(3, 4), direction="off").sticky
+    True
     """
 
     site: str | None = None
@@ -71,6 +90,10 @@ class GemmFault:
     direction: str = "on"
     sticky: bool = False
     output: int | None = None
+    kind: str = "bit"
+    bits: tuple[int, ...] | None = None
+    period: int | None = None
+    tile: int | tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.site is not None and (not isinstance(self.site, str) or not self.site):
@@ -100,6 +123,58 @@ class GemmFault:
             self.element = tuple(self.element)
         if not isinstance(self.sticky, bool):
             raise TypeError(f"sticky: expected a bool, got {type(self.sticky).__name__} {self.sticky!r}")
+        self._check_model()
+
+    def _check_model(self) -> None:
+        """The fault model's own fields: each one only where its ``kind`` reads it."""
+        kinds = fault_models
+        if not isinstance(self.kind, str) or self.kind not in kinds.KINDS:
+            raise ValueError(f"kind: expected one of {', '.join(map(repr, kinds.KINDS))}, got {self.kind!r}")
+        if self.bits is not None:
+            if not isinstance(self.bits, (tuple, list)) or not self.bits or any(
+                    isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < MAX_BIT_WIDTH for b in self.bits) \
+                    or len(set(self.bits)) != len(self.bits):
+                raise ValueError(f"bits: expected a non-empty tuple of distinct bit positions 0..{MAX_BIT_WIDTH - 1} "
+                                 f"(0..15 for bfloat16 and float16) or None, got {self.bits!r}")
+            if self.bit is not None:
+                raise ValueError(f"bits: expected bit or bits, not both, got bit={self.bit!r} and bits={self.bits!r}")
+            self.bits = tuple(self.bits)
+        if self.kind not in kinds.BIT_KINDS and (self.bit is not None or self.bits is not None):
+            raise ValueError(f"bit: expected None for kind {self.kind!r}, which changes no chosen bit "
+                             f"(bit and bits are for kinds {', '.join(map(repr, kinds.BIT_KINDS))}), "
+                             f"got bit={self.bit!r}, bits={self.bits!r}")
+        if self.kind == "stuck":
+            if self.direction == "flip":
+                raise ValueError("direction: expected 'on' (stuck at 1) or 'off' (stuck at 0) for kind 'stuck', "
+                                 "got 'flip'")
+            self.sticky = True  # a stuck bit stays: every matching call, the same position
+        if self.period is not None:
+            if isinstance(self.period, bool) or not isinstance(self.period, int) or self.period < 1:
+                raise ValueError(f"period: expected a positive int (every period-th row or column) or None, "
+                                 f"got {self.period!r}")
+            if self.kind not in kinds.PERIODIC_KINDS:
+                raise ValueError(f"period: expected None for kind {self.kind!r} (period is for 'rows' and "
+                                 f"'columns'), got {self.period!r}")
+        if self.tile is not None:
+            tile = (self.tile, self.tile) if isinstance(self.tile, int) and not isinstance(self.tile, bool) \
+                else self.tile
+            if not isinstance(tile, (tuple, list)) or len(tile) != 2 or any(
+                    isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in tile):
+                raise ValueError(f"tile: expected a positive int or a (rows, columns) pair of them, or None, "
+                                 f"got {self.tile!r}")
+            if self.kind not in kinds.TILE_KINDS:
+                raise ValueError(f"tile: expected None for kind {self.kind!r} (tile is for "
+                                 f"{', '.join(map(repr, kinds.TILE_KINDS))}), got {self.tile!r}")
+            self.tile = (int(tile[0]), int(tile[1]))
+
+    def bits_for(self, dtype: torch.dtype) -> tuple[int, ...]:
+        """The bits this fault changes in an output of ``dtype`` (``()`` for a kind that
+        changes no chosen bit)."""
+        if self.kind not in fault_models.BIT_KINDS:
+            return ()
+        if self.bits is not None:
+            return self.bits
+        return (self.bit if self.bit is not None else _TOP_EXPONENT_BIT[dtype],)
 
 
 @dataclass
@@ -113,9 +188,12 @@ class Injection:
     call: int
     element: tuple[int, ...]
     bit: int
-    before: float
+    before: float  #: the element's value before (for a pattern: the anchor element's)
     after: float
-    changed: bool  #: False when the bit was already in the requested state
+    changed: bool  #: False when nothing changed (the bits were already in the requested state)
+    kind: str = "bit"  #: the fault model (``GemmFault.kind``)
+    bits: tuple[int, ...] = ()  #: the bits a bit-changing model changed
+    elements: int = 1  #: elements whose value changed
 
 
 def flip_bit(x: Tensor, element: tuple[int, ...], bit: int, direction: str = "flip") -> tuple[float, float, bool]:
@@ -232,7 +310,7 @@ class FaultInjector(RoutingMode):
         compiled-route guard collects this thread's checks, aten ops are left alone. (The
         function mode alone does not say so: dynamo runs compiled code with the
         function-mode stack empty, and the aten ops of the graph then reach this mode.)"""
-        if function_mode_active() or current_sink() is not None:
+        if current_sink() is not None:
             return
         if route is Route.GEMM and isinstance(out, Tensor) and out.dtype in _INT_VIEW:
             self._maybe_corrupt(str(func.overloadpacket).split(".")[-1], out, args)
@@ -292,9 +370,12 @@ class FaultInjector(RoutingMode):
                 if fault.sticky:
                     self._positions[position] = element
             element = tuple(min(i, s - 1) for i, s in zip(element, out.shape))
-            bit = fault.bit if fault.bit is not None else _TOP_EXPONENT_BIT[out.dtype]
-            before, after, changed = flip_bit(out, element, bit, fault.direction)
-            self.injections.append(Injection(step, site, op, phase, call, element, bit, before, after, changed))
+            bits = fault.bits_for(out.dtype)
+            done = fault_models.corrupt(out, fault.kind, element, bits=bits, direction=fault.direction,
+                                        tile=fault.tile or DEFAULT_TILE, period=fault.period or DEFAULT_PERIOD)
+            self.injections.append(Injection(step, site, op, phase, call, element, bits[0] if bits else -1,
+                                             done.before, done.after, done.elements > 0, fault.kind, bits,
+                                             done.elements))
             if not fault.sticky:
                 self._spent.add(key)
 

@@ -63,15 +63,14 @@ class CheckIntake:
     # --- per GEMM --------------------------------------------------------------------------
 
     def on_unverified(self, op: str) -> None:
-        """Count a GEMM-bearing op that cannot be verified. A higher-order op on the
-        compiled route (its bodies' GEMMs, often most of a model's under activation
-        checkpointing) also warns once per model, naming the route that verifies them."""
+        """Count a GEMM-bearing op that cannot be verified. A higher-order op in a compiled
+        graph (flex attention: its fused kernel multiplies inside one call) also warns once
+        per model, naming the route that verifies it."""
         self._ledger.unverifiable(op)
         if self.compiled and op.startswith("higher_order."):
-            self._warn_once(f"hop:{op}", f"sdc_guard: {op} in a compiled frame: the GEMMs inside it are counted "
-                            "in unverified_ops, not verified, on the compiled route (dynamo traces its bodies "
-                            "without the guard's function mode); protect(model, compiled=False) verifies them "
-                            "in the model's compiled code (docs/COMPILE.md, 'Limits')")
+            self._warn_once(f"hop:{op}", f"sdc_guard: {op} in a compiled graph: the GEMMs inside its kernel are "
+                            "counted in unverified_ops, not verified (docs/COMPILE.md, 'Limits'); eager code "
+                            "verifies them (protect(model, compiled=False) runs the model's frames eagerly)")
 
     def note_intercepted(self, calls: int = 1) -> None:
         """Count ``calls`` a route made into the guard's Python without timing them

@@ -28,7 +28,7 @@ from torch.compiler import is_compiling
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .attention import ATTENTION_HANDLERS, AttentionCall
-from .hops import ModuleRef, branch_modules
+from .hops import ModuleRef, branch_modules, hidden_from_dynamo
 from .site_hooks import SlotHooks
 from .ops import (  # noqa: F401  (the registry's former home: these names stay importable here)
     ATTENTION_OPS, GEMM_HANDLERS, UNVERIFIED_GEMM_OPS, Gemm, Handler, Route, RoutingMode, defer_to_dtensor,
@@ -334,6 +334,9 @@ class GemmInterceptor(RoutingMode):
     def __init__(self, sink: GemmSink, sites: SiteTracker | None = None) -> None:
         super().__init__(sites)
         self.sink = sink
+        #: set by ``retire``: only the backward of GEMMs whose autograd node is older than this
+        #: (autograd's sequence number) is still this mode's (docs/COMPILE.md, "The two routes")
+        self._cutoff: int | None = None
         # Built per activation, so a handler added to GEMM_HANDLERS since is seen.
         self._handlers = {id(overload): handler for packet, handler in GEMM_HANDLERS.items()
                           for overload in gemm_overloads(packet)}
@@ -344,10 +347,34 @@ class GemmInterceptor(RoutingMode):
         """A plain op that writes no tensor: nothing to hand the guard."""
         return route is Route.PLAIN and not _writes_of(func)
 
+    def ignore_compile_internals(self) -> bool:  # type: ignore[override]
+        """As ``RoutingMode``'s, and yes when dynamo is about to compile any other frame and
+        the guard switches to the compiled route for it (``Guard.compiled_code_met``): the
+        frame then compiles with the checks in its graphs instead of running eagerly and
+        staying skipped by dynamo after the block."""
+        if hidden_from_dynamo():
+            return True
+        met = getattr(self.sink, "compiled_code_met", None)
+        return bool(met()) if met is not None else False
+
+    def retire(self, cutoff: int | None) -> None:
+        """From now on verify only the backward GEMMs of autograd nodes numbered below
+        ``cutoff`` (``autograd_sequence_number``): the forward GEMMs this mode verified
+        before the guard switched routes. ``None``: verify everything again."""
+        self._cutoff = cutoff
+
+    def _retired_here(self) -> bool:
+        if torch._C._current_graph_task_id() == -1:
+            return True
+        node = torch._C._current_autograd_node()
+        return node is None or node._sequence_nr() >= self._cutoff  # type: ignore[operator]
+
     def after(self, func: Any, route: Route, args: tuple, kwargs: dict, out: Any) -> None:
         writes = _writes_of(func)
         if writes:
             self.sink.on_write(_written_tensors(args, kwargs, writes))
+        if self._cutoff is not None and route is not Route.PLAIN and self._retired_here():
+            return
         if route is Route.GEMM:
             gemm = self._handlers[id(func)](args, kwargs, out)
             if gemm is not None:
@@ -371,4 +398,14 @@ class GemmInterceptor(RoutingMode):
             self.sink.on_unverified(str(func.overloadpacket))
 
     def on_opaque(self, name: str) -> None:
+        if self._cutoff is not None and self._retired_here():
+            return
         self.sink.on_unverified(name)
+
+
+def autograd_sequence_number() -> int:
+    """The sequence number autograd gives the next node made on this thread (nodes made
+    before have smaller ones): read off a node made for it, with every mode set aside."""
+    with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.enable_grad():
+        node = torch.zeros((), requires_grad=True).view(()).grad_fn
+    return node._sequence_nr() if node is not None else 0

@@ -1,13 +1,11 @@
 """Module paths of a protected model, for the compiled route's sites (docs/COMPILE.md).
 
-A check op in a ``torch.compile`` graph knows its site from trace time: the module path
-dynamo's module stack gives, relative to the variable that holds the root of the frame
-dynamo compiled. When that frame is not the model's own (a submodule whose ``forward``
-has a graph break, a compiled submodule), its root is one of the model's modules, and the
-path is completed with that module's name (``of_module``). Dynamo may share that graph
-between instances of the module (parameters are graph inputs): the name completed at
-trace time is the first instance's. A GEMM with a parameter operand names its instance
-at run time: the module that owns the parameter (``owners``).
+A check node in a compiled graph knows its site from the graph: the innermost module of
+the node's module stack (``nn_module_stack``, which dynamo keys by the module's ``id``)
+that is one of the model's, named by ``of_module_id``. Dynamo may share a frame's graphs
+between instances of a module (a block whose ``forward`` has a graph break: parameters
+are graph inputs), so that name is the instance traced first; a GEMM with a parameter
+operand names its instance at run time: the module that owns the parameter (``owners``).
 """
 
 from __future__ import annotations
@@ -32,14 +30,15 @@ class ModuleNames:
         self._owners: dict[int, tuple[str, ...]] | None = None  #: by storage address
         self._by_id: dict[int, tuple[Tensor, tuple[str, ...]]] = {}  #: by parameter object (what graphs pass)
 
-    def of_module(self, module: object) -> str | None:
-        """The path of ``module`` in the model (``""`` for the model itself), or ``None``.
-        Reads no tensor: it is asked at trace time, under dynamo's fake tensors."""
+    def of_module_id(self, ident: int) -> str | None:
+        """The path of the module whose ``id`` is ``ident`` (how dynamo keys a graph node's
+        ``nn_module_stack``; ``""`` for the model itself), or ``None`` for a module outside
+        the model. Reads no tensor: it is asked while a graph compiles."""
         if self._modules is None:
             self._modules = {}
             for name, m in self.model.named_modules(remove_duplicate=False):
                 self._modules.setdefault(id(m), _clean(name))
-        return self._modules.get(id(module))
+        return self._modules.get(ident)
 
     def owners(self, t: Tensor) -> tuple[str, ...]:
         """The paths of the modules whose parameter ``t`` is (or views): more than one for

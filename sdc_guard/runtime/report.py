@@ -126,8 +126,11 @@ class StepReport:
     gradient_screened: bool = False
     #: it tripped: the step was re-executed with every GEMM verified (see StepOutcome.screen)
     gradient_screen_tripped: bool = False
-    gradient_ratio: float = 0.0  #: largest per-parameter gradient norm over its reference
-    gradient_total_ratio: float = 0.0  #: norm of all gradients over the references' norm
+    gradient_ratio: float = 0.0  #: largest per-parameter gradient norm over its typical norm
+    gradient_total_ratio: float = 0.0  #: norm of all gradients over the typical norms' norm
+    #: largest deviation of a parameter's log gradient norm above its running mean, in
+    #: running spreads (``Screened.sigmas`` trips it)
+    gradient_sigmas: float = 0.0
     nonfinite_grads: int = 0  #: parameters whose gradient held a NaN or an infinity
 
     @property

@@ -2,7 +2,9 @@
 
 Per-step blocks (``with protect(model):`` around each step) make a new ``Guard`` every
 step; the sampler's schedule (``EveryN``, ``Budget`` windows) and the fault drills count
-steps, so the count lives with the model, not with a guard.
+steps, so the count lives with the model, not with a guard. A ``torch.compile(model)``
+wrapper and the model it wraps are one model here: a guard of one and a drill of the
+other (``SDCGuard`` protects the module Lightning unwraps) count the same steps.
 """
 
 from __future__ import annotations
@@ -22,14 +24,20 @@ def current_step(model: nn.Module) -> int:
     >>> current_step(torch.nn.Linear(2, 2))
     0
     """
-    return _next_step.get(model, 0)
+    return _next_step.get(_model(model), 0)
 
 
 def set_current_step(model: nn.Module, step: int) -> None:
     """Set the step number of ``model``'s schedule (a resumed run continues its count)."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step: expected a non-negative int, got {step!r}")
-    _next_step[model] = step
+    _next_step[_model(model)] = step
+
+
+def _model(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper wraps (``_orig_mod``), or ``model``."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else model
 
 
 #: Per model: (the sampler, the step number) whose ``begin_step`` ran and whose
@@ -46,16 +54,16 @@ def sampler_begun(model: nn.Module, sampler: object, step: int) -> bool:
     >>> sampler_begun(m, s, 3), sampler_begun(m, s, 4)
     (True, False)
     """
-    return _begun.get(model) == (id(sampler), step)
+    return _begun.get(_model(model)) == (id(sampler), step)
 
 
 def note_sampler_begun(model: nn.Module, sampler: object, step: int | None) -> None:
     """Record that ``sampler.begin_step(step)`` ran for ``model`` (``None``: its
     ``end_step`` ran, nothing is begun)."""
     if step is None:
-        _begun.pop(model, None)
+        _begun.pop(_model(model), None)
     else:
-        _begun[model] = (id(sampler), step)
+        _begun[_model(model)] = (id(sampler), step)
 
 
 #: Per model: guard seconds spent after its last report by a ``protect()`` block that has
@@ -68,7 +76,7 @@ def carry_over(model: nn.Module, seconds: float) -> None:
     """Leave ``seconds`` of guard work for the next report of ``model``, whichever guard
     makes it."""
     if seconds > 0:
-        _carried[model] = _carried.get(model, 0.0) + seconds
+        _carried[_model(model)] = _carried.get(_model(model), 0.0) + seconds
 
 
 def take_carried(model: nn.Module) -> float:
@@ -78,7 +86,7 @@ def take_carried(model: nn.Module) -> float:
     >>> take_carried(m), take_carried(m)
     (0.75, 0.0)
     """
-    return _carried.pop(model, 0.0)
+    return _carried.pop(_model(model), 0.0)
 
 
 #: Models whose last ``optimizer_step`` was the last thing its ``protect()`` block did
@@ -95,10 +103,10 @@ def steps_end_blocks(model: nn.Module) -> bool:
     >>> m = torch.nn.Linear(2, 2); note_block_end(m, after_step=True); steps_end_blocks(m)
     True
     """
-    return _ends_blocks.get(model, False)
+    return _ends_blocks.get(_model(model), False)
 
 
 def note_block_end(model: nn.Module, *, after_step: bool) -> None:
     """Record how the step ``optimizer_step`` opened in advance ended: dropped by the
     block's exit (``after_step``), or used by the block."""
-    _ends_blocks[model] = after_step
+    _ends_blocks[_model(model)] = after_step

@@ -19,9 +19,11 @@ screen (``--screens default,tight``) is measured on the same data, with its miss
 the clean products beside it: the share of segments it suspected that the confirmation
 cleared.
 
-``--training`` measures samplers instead of the check: faults in a training run
-(``sdc_guard.tools.bench_detect_training``); ``--attention`` the fused-attention check
-(``sdc_guard.tools.bench_detect_attention``).
+``--captured MODELS`` measures the check by magnitude on GEMMs captured from real
+training, through ``verify_matmul``, beside the screens before the threshold read C
+(``sdc_guard.tools.bench_detect_captured``); ``--training`` measures samplers instead of
+the check: faults in a training run (``sdc_guard.tools.bench_detect_training``);
+``--attention`` the fused-attention check (``sdc_guard.tools.bench_detect_attention``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch import Tensor
 from .. import backends
 from ..core.abft import weight_side
 from ..backends import GemmRequest
-from . import bench_detect_attention
+from . import bench_detect_attention, bench_detect_captured
 from .bench_common import (
     DIRECTIONS, DISTRIBUTIONS, FP16_NOTE, SHORT_NAME, Outcome, Progress, argtype, bit_field, bit_set, flip_rows,
     generator, machine, operands, parse_dtypes, parse_names, parse_shape, pct, pick_per_row, product, resolve_device,
@@ -69,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     bench_detect_training.add_arguments(parser)
     bench_detect_attention.add_arguments(parser)
+    bench_detect_captured.add_arguments(parser)
 
 
 def _floats(text: str) -> list[float]:
@@ -166,7 +169,8 @@ def run_dtype(dtype: torch.dtype, screen: str, args: argparse.Namespace, device:
     summary["clean_segments"] = clean_segments
     summary["screen_misses"] = clean_suspects - clean_confirmed
     summary["miss_rate"] = (clean_suspects - clean_confirmed) / clean_segments if clean_segments else 0.0
-    return {"dtype": SHORT_NAME[dtype], "screen": screen, "e_max": e_max, "rounding": rounding, "by_bit": by_bit,
+    terms = {"acc": rounding.acc, "bounded": rounding.bounded, "sigmas": rounding.sigmas, "coherent": rounding.coherent}
+    return {"dtype": SHORT_NAME[dtype], "screen": screen, "e_max": e_max, "terms": terms, "by_bit": by_bit,
             "by_magnitude": by_magnitude, "summary": summary}
 
 
@@ -206,7 +210,9 @@ def render(results: list[dict[str, Any]]) -> str:
             body.append([bit, rows[bit]["field"], _rate(on), _rate(off),
                          f"{on['median_rel_error']:.2g}" if on and on["trials"] else "-",
                          f"{off['median_rel_error']:.2g}" if off and off["trials"] else "-"])
-        lines += [f"{res['dtype']}, {res['screen']} screen (e_max {res['e_max']:.3g}, rounding term x{res['rounding']:g}):"
+        t = res["terms"]
+        c_term = f"min({t['sigmas']:g} sigma + coherent, rigorous)" if t["sigmas"] else "rigorous"
+        lines += [f"{res['dtype']}, {res['screen']} screen (e_max {res['e_max']:.3g}, C's rounding {c_term}):"
                   " detection by flipped bit of one element of C",
                   table(["bit", "field", "0->1", "1->0", "|err|/rms 0->1", "|err|/rms 1->0"], body,
                         align="rlrrrr"), ""]
@@ -241,6 +247,8 @@ def run(args: argparse.Namespace) -> Outcome:
         raise ValueError("--training and --attention: expected one of them, got both")
     if getattr(args, "attention", False):
         return bench_detect_attention.run(args)
+    if getattr(args, "captured", None):
+        return bench_detect_captured.run(args, MAGNITUDES)
     if getattr(args, "training", False):
         from . import bench_detect_training
 

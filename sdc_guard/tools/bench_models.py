@@ -8,7 +8,11 @@ random weights, the text is the package's generated corpus, token streams come f
 seed. ``transformers`` is needed only for the ``hf:`` models.
 
 A model is named ``toy:D/CTX/BATCH/LAYERS/LR`` (the toy GPT, 4 heads, AdamW at ``LR``) or
-``hf:ARCH`` (``llama``, ``qwen2``, ``mistral``, ``gpt2``, ``bert``; hidden 128, 2 layers).
+``hf:ARCH`` (``llama``, ``qwen2``, ``mistral``, ``gpt2``, ``bert``; the mixtures of experts
+``mixtral`` and ``qwen2moe``, 4 experts, 2 per token, with eager experts: plain GEMMs
+rather than ``torch._grouped_mm``, which is counted unverified; the encoder-decoders
+``t5``, relative position bias and no position in K and V, and ``bart``; hidden 128,
+2 layers).
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ PRECISIONS: dict[str, tuple[torch.dtype | None, bool]] = {
 #: The toy-GPT configurations where earlier screens raised false alarms:
 #: d_model / ctx / batch / layers / lr.
 TOY_CONFIGS = ("64/64/8/2/3e-3", "128/64/8/2/2e-3", "128/128/4/2/1e-2", "256/64/4/1/1e-3", "64/32/16/3/3e-2")
-HF_ARCHS = ("llama", "qwen2", "mistral", "gpt2", "bert")
+HF_ARCHS = ("llama", "qwen2", "mistral", "gpt2", "bert", "mixtral", "qwen2moe", "t5", "bart")
+#: architectures trained as sequence-to-sequence models (the loss is the model's own)
+SEQ2SEQ = ("t5", "bart")
 
 
 @dataclass
@@ -101,6 +107,23 @@ def _hf(name: str, arch: str, seed: int, attn: str) -> Workload:
         model = tf.BertForMaskedLM(tf.BertConfig(hidden_size=hidden, num_hidden_layers=layers,
                                                  num_attention_heads=heads, intermediate_size=4 * hidden,
                                                  max_position_embeddings=ctx, **common))
+    elif arch == "mixtral":
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(num_key_value_heads=heads // 2, num_local_experts=4,
+                                                       num_experts_per_tok=2, experts_implementation="eager",
+                                                       **decoder))
+    elif arch == "qwen2moe":
+        model = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+            num_key_value_heads=heads // 2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden,
+            shared_expert_intermediate_size=2 * hidden, experts_implementation="eager", **decoder))
+    elif arch == "t5":
+        model = tf.T5ForConditionalGeneration(tf.T5Config(
+            d_model=hidden, d_kv=hidden // heads, d_ff=2 * hidden, num_layers=layers, num_heads=heads,
+            decoder_start_token_id=0, pad_token_id=0, **common))
+    elif arch == "bart":
+        model = tf.BartForConditionalGeneration(tf.BartConfig(
+            d_model=hidden, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=heads,
+            decoder_attention_heads=heads, encoder_ffn_dim=2 * hidden, decoder_ffn_dim=2 * hidden,
+            max_position_embeddings=ctx, **common))
     else:
         raise ValueError(f"model: expected hf:{'|'.join(HF_ARCHS)}, got {name!r}")
 
@@ -108,6 +131,8 @@ def _hf(name: str, arch: str, seed: int, attn: str) -> Workload:
         seq = structured_tokens(step, batch, ctx, vocab, seed)
         if arch == "bert":
             return masked_lm_loss(m, seq, step)
+        if arch in SEQ2SEQ:  # the source sequence in, the same sequence one step ahead out
+            return m(input_ids=seq[:, :-1].contiguous(), labels=seq[:, 1:].contiguous()).loss.float()
         logits = m(seq[:, :-1]).logits
         return F.cross_entropy(logits.float().flatten(0, 1), seq[:, 1:].flatten())
 

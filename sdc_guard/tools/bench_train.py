@@ -71,6 +71,10 @@ TARGET_REPORTED_GAP = 0.03
 SPREAD_BLOCKS = 5
 TARGET_BUDGET = 0.07
 TARGET_WINDOW = 20
+#: The compiled route's targets (``--compile``): ``Full()`` of the compiled step, without and
+#: with activation checkpointing (``--ac``); ``Budget`` holds its budget.
+TARGET_FULL_COMPILED = 0.10
+TARGET_FULL_COMPILED_AC = 0.12
 #: The gradient screen's target: its steady state, clean.
 TARGET_SCREENED = 0.01
 SCREENED = "Screened()"
@@ -93,6 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--ctx", type=int, default=128)
     model.add_argument("--vocab", type=int, default=512)
     model.add_argument("--batch", type=int, default=8)
+    model.add_argument("--ac", action="store_true",
+                       help="activation checkpointing of every block (the backward recomputes each block's forward)")
     model.add_argument("--dtype", default="fp32", type=argtype(lambda t: _one_dtype(t)),
                        help="fp32 (default) or bf16 (autocast: the GEMMs run, and are verified, in bf16)")
     model.add_argument("--model", default=None,
@@ -178,7 +184,8 @@ class RecordingSampler:
 
 def _model(args: argparse.Namespace, device: torch.device) -> GPT:
     torch.manual_seed(args.seed)
-    cfg = GPTConfig(vocab=args.vocab, ctx=args.ctx, d_model=args.d_model, heads=args.heads, layers=args.layers)
+    cfg = GPTConfig(vocab=args.vocab, ctx=args.ctx, d_model=args.d_model, heads=args.heads, layers=args.layers,
+                    checkpoint=getattr(args, "ac", False))
     return GPT(cfg).to(device)
 
 
@@ -353,13 +360,13 @@ def run(args: argparse.Namespace) -> Outcome:
 def _run_compiled(args: argparse.Namespace, device: torch.device, base: torch.nn.Module, work: Any) -> Outcome:
     """``--compile``: the unguarded, ``Full()`` and ``Budget`` steps, each compiled and each
     eager, interleaved round by round; every ratio is against the unguarded step of the
-    same mode (compiled against compiled, eager against eager). Beside the wall-clock
-    overhead, the same ratio of the process's CPU time (``cpu``): on a machine shared with
-    other work it is the steadier figure (with one intra-op thread it is the step's own
-    compute; with more it sums the threads)."""
-    budget = f"Budget({args.budget:g}, window={args.window})"
-    configs: dict[str, Sampler | None] = {"baseline": None, "Full()": Full(),
-                                          budget: Budget(args.budget, window=args.window)}
+    same mode (compiled against compiled, eager against eager). Each guarded copy keeps one
+    guard across its steps (its weight-side cache with it), as an integration does. Beside
+    the wall-clock overhead, the same ratio of the process's CPU time (``cpu``): on a
+    machine shared with other work it is the steadier figure (with one intra-op thread it
+    is the step's own compute; with more it sums the threads)."""
+    budget = f"Budget({args.budget:g})"
+    configs: dict[str, Sampler | None] = {"baseline": None, "Full()": Full(), budget: Budget(args.budget)}
     names = [(mode, name) for mode in ("compiled", "eager") for name in configs]
     models = {key: copy.deepcopy(base) for key in names}
     runs = {key: torch.compile(models[key]) if key[0] == "compiled" else models[key] for key in names}
@@ -367,6 +374,9 @@ def _run_compiled(args: argparse.Namespace, device: torch.device, base: torch.nn
     fresh = {key: copy.deepcopy(s) for key, s in ((k, configs[k[1]]) for k in names)}
     # rollback snapshots (the policy's cost) off, as in the eager bench
     snapshots = {key: SnapshotStore(models[key], optims[key], every=10**9) for key in names}
+    guards = {key: protect(runs[key], sampler=fresh[key], compiled=key[0] == "compiled",
+                           snapshots=snapshots[key])
+              for key in names if fresh[key] is not None}
     autocast = args.dtype == torch.bfloat16
 
     def loss_of(key: tuple[str, str], x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
@@ -403,8 +413,7 @@ def _run_compiled(args: argparse.Namespace, device: torch.device, base: torch.nn
             if sampler is None:
                 train_step(key, x, y, r)
             else:
-                with protect(runs[key], sampler=sampler, compiled=key[0] == "compiled",
-                             snapshots=snapshots[key]) as guard:
+                with guards[key] as guard:
                     train_step(key, x, y, r, guard)
             sync(device)
             if r >= args.warmup:
@@ -413,7 +422,8 @@ def _run_compiled(args: argparse.Namespace, device: torch.device, base: torch.nn
                 if sampler is not None and guard.last_report is not None:
                     reports[key].append(guard.last_report)
     results = []
-    lines = [f"bench train --compile: {args.steps} rounds, d_model {args.d_model}, {args.layers} layers, "
+    lines = [f"bench train --compile: {args.steps} rounds, d_model {args.d_model}, {args.layers} layers"
+             f"{' (activation checkpointing)' if getattr(args, 'ac', False) else ''}, "
              f"batch {args.batch} x ctx {args.ctx}, on {device}"]
     for key in names:
         mode, name = key
@@ -438,8 +448,9 @@ def _run_compiled(args: argparse.Namespace, device: torch.device, base: torch.nn
                      + account)
     by = {(r["mode"], r["config"]): r for r in results}
     targets = {}
-    for label, config, target in (("full_compiled_le_20pct", "Full()", TARGET_FULL),
-                                  ("budget_compiled_le_7pct", budget, TARGET_BUDGET)):
+    full_target = TARGET_FULL_COMPILED_AC if getattr(args, "ac", False) else TARGET_FULL_COMPILED
+    for label, config, target in ((f"full_compiled_le_{round(100 * full_target)}pct", "Full()", full_target),
+                                  (f"budget_compiled_le_{round(100 * args.budget)}pct", budget, args.budget)):
         row = by[("compiled", config)]
         targets[label] = {"measured": row["overhead_mean"], "measured_cpu": row["overhead_cpu"], "target": target,
                           "met": row["overhead_mean"] <= target, "met_cpu": row["overhead_cpu"] <= target}
@@ -449,7 +460,7 @@ def _run_compiled(args: argparse.Namespace, device: torch.device, base: torch.nn
     print("\n".join(lines))
     payload = {"command": "train --compile", "machine": machine(device),
                "settings": {"steps": args.steps, "warmup": args.warmup, "budget": args.budget,
-                            "window": args.window, "dtype": SHORT_NAME[args.dtype], "seed": args.seed},
+                            "ac": getattr(args, "ac", False), "dtype": SHORT_NAME[args.dtype], "seed": args.seed},
                "results": results, "targets": targets}
     return Outcome(0, payload)
 

@@ -14,7 +14,9 @@ import sys
 #: subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("sdc_guard.tools.demo", "train a small GPT with injected faults and watch them get caught (needs lightning)"),
-    "selftest": ("sdc_guard.tools.selftest", "check the installation end to end on every available backend"),
+    "selftest": ("sdc_guard.tools.selftest", "is this host computing correctly? known answers on every backend "
+                                             "found (pre-flight, return to service)"),
+    "drain": ("sdc_guard.tools.drain", "the scheduler commands an exit report asks for (requeue, exclude, drain)"),
     "bi": ("sdc_guard.bi.cli", "batch-invariance and determinism harness"),
     "bench": ("sdc_guard.tools.bench", "benchmarks: overhead, false positives, detection, training overhead, e_max calibration"),
 }

@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -64,6 +65,9 @@ class GPTConfig:
     d_model: int = 64
     heads: int = 4
     layers: int = 2
+    #: activation checkpointing of every block (non-reentrant ``torch.utils.checkpoint``):
+    #: the backward runs each block's forward again
+    checkpoint: bool = False
 
 
 class Attention(nn.Module):
@@ -119,7 +123,10 @@ class GPT(nn.Module):
     def forward(self, idx: Tensor) -> Tensor:
         x = self.tok(idx) + self.pos[: idx.shape[1]]
         for block in self.blocks:
-            x = block(x)
+            if self.cfg.checkpoint:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.head(self.ln(x))
 
     def loss(self, x: Tensor, y: Tensor) -> Tensor:
