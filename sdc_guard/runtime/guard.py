@@ -406,8 +406,7 @@ class Guard(CheckIntake):
         leaving it would compile them again without their checks."""
         if self.compiled:
             return False
-        return (self.intercepting and torch._C._len_torch_dispatch_stack() == 1
-                and _get_current_dispatch_mode() is self._mode)
+        return self._interception.sole_dispatch_mode
 
     @property
     def intercepting(self) -> bool:
