@@ -184,6 +184,44 @@ def test_calibration_pools_pairs_and_its_schedule() -> None:
         sdc_guard.protect(BNNet(), calibrate_every=0)
 
 
+def test_a_pair_timed_in_cpu_time_ignores_a_preempted_run() -> None:
+    """A pair with the thread's CPU time: its residual is taken there, the guard's own
+    (wall) timings brought to that clock by the guarded run's CPU share, so a run another
+    process preempted (twice the wall time, the same CPU time) leaves it where it was;
+    ``Calibration.cpu`` says which clock the factor is in."""
+    quiet = Pair(bare=1.0, guarded=1.6, measured=0.4, estimate=0.1, bare_cpu=1.0, guarded_cpu=1.6)
+    preempted = Pair(bare=1.0, guarded=3.2, measured=0.8, estimate=0.1, bare_cpu=1.0, guarded_cpu=1.6)
+    assert quiet.residual == pytest.approx(0.2) and preempted.residual == pytest.approx(0.2)
+    assert Pair(bare=1.0, guarded=3.2, measured=0.8, estimate=0.1).residual == pytest.approx(1.4)  # wall only
+    c = Calibration(every=4)
+    c.add(preempted)
+    assert c.cpu and c.factor == pytest.approx(2.0)
+    c.add(Pair(bare=1.0, guarded=1.6, measured=0.4, estimate=0.1))
+    assert not c.cpu
+
+
+def test_replays_on_one_cpu_thread_are_timed_in_cpu_time_and_reported_in_wall_time() -> None:
+    """A CPU model on one intra-op thread replays with the thread's CPU time as well
+    (``calibration.thread_clock``); with more threads wall time alone. The report brings
+    the factor to its step's wall time: never below the calibration's own."""
+    threads = torch.get_num_threads()
+    try:
+        for n, cpu in ((1, True), (2, False)):
+            torch.set_num_threads(n)
+            model, _, outcomes, _ = _train(3, calibrate_every=1)  # a replay on every step from the second
+            calibration = calibration_of(model, 1)
+            assert len(calibration.pairs) == 2 and all(p.cpu is cpu for p in calibration.pairs)
+            assert calibration.cpu is cpu
+            last = outcomes[-1].report
+            assert last.overhead_calibrated
+            if cpu:  # the step's wall time over its CPU time, at least 1
+                assert last.interception_factor >= calibration.factor
+            else:
+                assert last.interception_factor == calibration.factor
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_budget_plans_and_charges_the_whole_measured_cost_of_a_sweep() -> None:
     """Exact costs (no clock). A sweep verifies for 0.02 s but costs 0.10 s in all (the
     mode's interception), on a 0.10 s step: the budget must space sweeps by the whole cost

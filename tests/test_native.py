@@ -731,3 +731,95 @@ def test_clear_checks_from_two_threads_keep_their_own_scratch() -> None:
         t.join()
     for (_, want), got in zip(cases, results):
         assert got == [want] * 40
+
+
+class _Recorder:
+    """A stand-in for the extension that records the arguments it is called with (and
+    answers a check as clear): what a planned call passes the kernels."""
+
+    __name__ = "recorder"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple]] = []
+
+    def weight_side(self, *args: int) -> None:
+        self.calls.append(("weight_side", args))
+
+    def check(self, *args: object) -> tuple[bool, float]:
+        self.calls.append(("check", args))
+        return True, 0.0
+
+
+def _plan_cases() -> list[GemmRequest]:
+    """Warm and cold, 2-D and batched, bias forms, alpha / beta, the dtypes."""
+    cases = []
+    for dtype in DTYPES:
+        a, w = randn(21, 70, dtype=dtype, seed=90), randn(300, 70, dtype=dtype, seed=91)
+        c = product(a, w.t())
+        bias1, bias2 = randn(300, dtype=dtype, seed=92), randn(21, 300, dtype=dtype, seed=93)
+        ab, bb = randn(3, 21, 70, dtype=dtype, seed=94), randn(3, 70, 90, dtype=dtype, seed=95)
+        def plus(alpha: float, beta: float, bias: torch.Tensor) -> torch.Tensor:
+            return (alpha * product(a, w.t()).float() + beta * bias.float()).to(dtype)
+
+        cases += [
+            request(a, w.t(), c, weight=native.native_weight_side(w.t())),
+            request(layout(a, "col"), w.t(), layout(c, "col"), weight=weight_side(w.t())),
+            request(a, w.t(), plus(1.0, 1.0, bias1), bias=bias1),  # cold
+            replace(request(a, w.t(), plus(0.5, 2.0, bias2), weight=native.native_weight_side(w.t()), bias=bias2),
+                    alpha=0.5, beta=2.0),
+            replace(request(a, w.t(), c, bias=bias1), beta=0.0),
+            request(ab, bb, product(ab, bb)),  # cold, batched
+            request(ab, bb, product(ab, bb), weight=native.native_weight_side(bb)),  # warm, batched
+            request(ab, w.t(), product(ab, w.t()), weight=native.native_weight_side(w.t())),  # broadcast weight
+        ]
+    return cases
+
+
+@needs_native
+def test_a_planned_call_passes_the_kernels_the_calls_arguments() -> None:
+    """``native_plan.Plan`` (the guard's clear checks, planned once per layout) passes the
+    kernels exactly what ``Call`` does, pointers included, for a second call of the same
+    layout on other tensors too (the plan made from the first), and encodes a cold ``b``
+    with the same arguments ``Call`` does."""
+    from sdc_guard.backends.native_call import Call
+    from sdc_guard.backends.native_plan import Plans
+
+    plans = Plans()
+    for req in _plan_cases():
+        args = (req.a, req.b, req.c, req.bias, req.alpha, req.beta, req.weight, req.e_max, req.rounding)
+        key = plans.key(*args)
+        plan = plans.get(key, native.extension(), *args, native.rejects)
+        assert plan is not None
+        twin = replace(req, a=req.a.clone(memory_format=torch.preserve_format) if req.a.is_contiguous() else req.a,
+                       c=req.c.clone() if req.c.is_contiguous() else req.c)
+        for r in (req, twin):
+            if plans.key(r.a, r.b, r.c, r.bias, r.alpha, r.beta, r.weight, r.e_max, r.rounding) != key:
+                continue  # a clone of another layout: planned on its own
+            got, want = _Recorder(), _Recorder()
+            p = 1 << 20  # where the scratch memory would be: never read by the recorder
+            plan.run(got, p, r.a, r.b, r.c, r.bias if r.beta != 0.0 else None, r.weight, 3)
+            call = Call.of(want, r, 3)
+            rows = call.nb * call.m
+            enc = call.enc_bytes + (-call.enc_bytes % 64)
+            want.check(*call.args(p), p + enc, p + enc + 8 * rows * call.nseg,
+                       p + enc + 8 * rows * call.nseg + 12 * rows, 3)
+            assert got.calls == want.calls[:-1] + [("check", want.calls[-1][1])]
+            assert plan.nbytes >= enc + 10 * rows * call.nseg + 12 * rows
+
+
+@needs_native
+def test_clear_gemm_answers_as_native_clear_does() -> None:
+    """``CpuBackend.clear_gemm`` (what the guard calls) gives ``native_clear``'s answer:
+    the same worst ratio for a clear check, ``None`` for a corrupted or non-finite one,
+    on every planned layout, twice (the second call through the plan made by the first)."""
+    backend = CpuBackend()
+    for req in _plan_cases():
+        want = native.native_clear(req, native.Scratch())
+        assert want is not None
+        for _ in range(2):
+            assert backend.clear_gemm(req.a, req.b, req.c, req.e_max, bias=req.bias, alpha=req.alpha, beta=req.beta,
+                                      weight=req.weight, rounding=req.rounding) == want
+        c = req.c.clone()
+        c[..., 3, 5] += 1e3 * float(c.abs().max())
+        assert backend.clear_gemm(req.a, req.b, c, req.e_max, bias=req.bias, alpha=req.alpha, beta=req.beta,
+                                  weight=req.weight, rounding=req.rounding) is None

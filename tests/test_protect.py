@@ -116,7 +116,9 @@ def test_the_work_between_steps_is_in_the_next_report() -> None:
     step (and, with one ``protect()`` block per step, outside any block). That work is
     the guard's cost and must appear in the next report's ``guard_seconds``: at least the
     time the re-encoding took, timed around the guard's own call (one 4096x2048 weight, so
-    that it is not lost in the noise of the step's own verification)."""
+    that it is not lost in the noise of the step's own verification). Once the model's
+    blocks are seen to end right after the optimizer step, the re-encoding is left to the
+    next block's first GEMM (its activation would make an encoding made now stale)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4096, 2048)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -129,6 +131,7 @@ def test_the_work_between_steps_is_in_the_next_report() -> None:
         return loss
 
     refreshes: list[float] = []  # each block's re-encoding outside its step (after the optimizer's)
+    encodes: list[int] = []  # each block's encodings of the weight, in a step or not
 
     def timed(guard, refresh):
         def run(*args, **kwargs):
@@ -146,12 +149,43 @@ def test_the_work_between_steps_is_in_the_next_report() -> None:
         with sdc_guard.protect(model) as guard:
             guard.cache.refresh = timed(guard, guard.cache.refresh)  # the real re-encoding, timed from outside
             reports.append(guard.optimizer_step(opt, closure).report)
-    assert min(refreshes) > 1e-4  # a 4096x2048 weight re-encoded after each optimizer step
-    # each later report carries at least the re-encoding after the step before it
-    for report, refresh in zip(reports[1:], refreshes):
-        assert report.carried_seconds >= refresh, ([r.carried_seconds for r in reports], refreshes)
+        encodes.append(guard.cache.stats.misses)
+    assert refreshes[0] > 1e-4  # a 4096x2048 weight re-encoded after the first optimizer step
+    assert refreshes[1:] == [0.0, 0.0]  # then left to the next block, whose activation makes it stale
+    assert encodes == [2, 1, 1]  # the first block's step and its re-encoding; then one per step
+    # the later reports carry at least the re-encoding after the step before them
+    assert reports[1].carried_seconds >= refreshes[0], ([r.carried_seconds for r in reports], refreshes)
+    for report in reports[1:]:
         assert report.guard_seconds >= report.carried_seconds + report.verify_seconds
         assert report.step_seconds > report.guard_seconds
+
+
+def test_a_long_lived_block_re_encodes_right_after_each_optimizer_step() -> None:
+    """Per-step blocks leave the re-encoding after an optimizer step to the next GEMM;
+    a long-lived block on the same model goes back to re-encoding right after each
+    optimizer step (before the next batch is loaded) once its first step shows that the
+    block goes on: the window a weight corrupted at rest could slip through stays closed."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 64)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    with sdc_guard.protect(model) as guard:  # a block that ends right after its step
+        guard.optimizer_step(opt, closure)
+    misses = []
+    with sdc_guard.protect(model) as guard:
+        for _ in range(3):
+            guard.optimizer_step(opt, closure)
+            misses.append(guard.cache.stats.misses)  # encodings made so far, the step's and after it
+    # first step: its first GEMM encodes, the re-encoding after it waits (the last block ended
+    # there); second: that re-encoding at its first GEMM, then right after its optimizer step
+    assert misses == [1, 3, 4]
 
 
 def test_transformer_trains_clean_then_catches_a_flip_with_site_and_phase() -> None:

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ..core.abft import AbftCheck, WeightSide, weight_side
+from ..core.precision import ScreenTerms
 from ..core.request import GemmRequest
 from ..core.summary import clear_summary, summarize
 
@@ -40,6 +41,16 @@ class Backend:
         """The worst ``D / T`` of ``req`` when the backend knows on the host, cheaply, that
         its check came out clear (every segment passed, everything finite), else ``None``
         (not clear, or not known without building the ``AbftCheck``)."""
+        return None
+
+    def clear_gemm(self, a: Tensor, b: Tensor, c: Tensor, e_max: float, *, bias: Tensor | None = None,
+                   alpha: float = 1.0, beta: float = 1.0, weight: WeightSide | None = None,
+                   rounding: ScreenTerms | None = None) -> float | None:
+        """``clear_worst`` of the request these arguments make, without making it: the
+        guard's path for every verified GEMM (``runtime/checker.py``), where the request
+        object and its checks cost as much as a small check. ``None`` here (the default:
+        not known cheaply) sends the guard to ``summarize``; a backend with a cheap
+        ``clear_worst`` overrides both with the same answers."""
         return None
 
     def summarize(self, req: GemmRequest, cached: bool = False) -> tuple[Tensor | None, Tensor | list[float]]:

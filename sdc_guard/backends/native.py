@@ -41,8 +41,8 @@ from .native_call import (
 from ..core.precision import SEGMENT
 
 __all__ = [
-    "Scratch", "available", "native_check", "native_clear", "native_weight_side", "rejects", "thread_runtime",
-    "unavailable_reason",
+    "Scratch", "available", "extension", "native_check", "native_clear", "native_weight_side", "rejects",
+    "thread_runtime", "default_threads", "unavailable_reason",
 ]
 
 @functools.cache
@@ -57,6 +57,11 @@ def _import() -> tuple[types.ModuleType | None, str | None]:
 
 
 def _load() -> types.ModuleType | None:
+    return _import()[0]
+
+
+def extension() -> types.ModuleType | None:
+    """The extension module, or ``None`` when it is not built."""
     return _import()[0]
 
 
@@ -137,6 +142,11 @@ def rejects(req: object) -> str | None:
     if c.dim() > 2 and layout(req, req.weight) is None:  # type: ignore[attr-defined]
         return "batch dims that need more than two strides to walk without a copy"
     return None
+
+
+def default_threads() -> int:
+    """The thread count a check runs with by default: ``torch.get_num_threads()``."""
+    return max(1, torch.get_num_threads())
 
 
 def _threads(threads: int | None, force: bool) -> int:

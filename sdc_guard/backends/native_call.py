@@ -13,7 +13,7 @@ extension they are given.
 from __future__ import annotations
 
 import types
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 from torch import Tensor
@@ -24,7 +24,7 @@ from ..core.precision import SEGMENT, UNIT_ROUNDOFF, ScreenTerms, bias_rounding,
 from ..core.segments import segment_constants
 
 __all__ = [
-    "BufferWeightSide", "C_CONSTANTS", "Call", "DTYPE_CODE", "Prepared", "bias_args", "buffer_geometry",
+    "BufferWeightSide", "C_CONSTANTS", "Call", "DTYPE_CODE", "Prepared", "bias_args", "buffer_geometry", "buffer_offsets",
     "checksum32", "encode_at", "encoding_bytes", "factor_offsets", "flat_args", "layout", "prepared",
     "threshold_args", "walkable", "weight_reason", "weight_side_of", "ws_batch",
 ]
@@ -95,15 +95,17 @@ def encoding_bytes(bt: int, k: int, nseg: int) -> int:
     return 16 * big + 64 * small + small
 
 
-def _offsets(big: int, small: int) -> tuple[int, int, int, int, int, int]:
+@lru_cache(maxsize=1024)  # pure, and asked for every encoding
+def buffer_offsets(big: int, small: int) -> tuple[int, int, int, int, int, int]:
     """Byte offsets in an encoding buffer of ``Br``, ``Babs``, max, min (fp32 [bt, nseg, K]
     each), the 8 fp64 aggregate planes [8, bt, nseg] and ``bad`` [bt, nseg]."""
     return 0, 4 * big, 8 * big, 12 * big, 16 * big, 16 * big + 64 * small
 
 
+@lru_cache(maxsize=1024)  # pure, and asked for every encoding
 def factor_offsets(big: int, small: int) -> tuple[int, ...]:
     """Byte offsets of the four fp64 factor planes (aggregate planes 4-7)."""
-    agg = _offsets(big, small)[4]
+    agg = buffer_offsets(big, small)[4]
     return tuple(agg + 8 * small * j for j in range(4, 8))
 
 
@@ -113,7 +115,7 @@ def encode_at(ext: types.ModuleType, b: Tensor, r: Tensor | None, threads: int, 
     bt, sbb = bb
     k, n = b.shape[-2], b.shape[-1]
     nseg = -(-n // SEGMENT)
-    o_br, o_babs, o_hi, o_lo, o_agg, o_bad = _offsets(bt * nseg * k, bt * nseg)
+    o_br, o_babs, o_hi, o_lo, o_agg, o_bad = buffer_offsets(bt * nseg * k, bt * nseg)
     ext.weight_side(
         b.data_ptr(), DTYPE_CODE[b.dtype], bt, k, n, sbb, b.stride(-2), b.stride(-1),
         r.data_ptr() if r is not None else 0, p + o_br, p + o_babs, p + o_hi, p + o_lo, p + o_agg, p + o_bad,
@@ -134,7 +136,7 @@ def weight_side_of(shape: tuple[int, ...], buf: Tensor) -> WeightSide:
     small = big // k
     # few torch calls (each costs a microsecond or two; this runs once per encoding):
     # one unbind for the eight aggregate planes, one for the four factor views
-    o_br, o_babs, _, _, o_agg, o_bad = _offsets(big, small)
+    o_br, o_babs, _, _, o_agg, o_bad = buffer_offsets(big, small)
     floats = buf[: o_agg].view(torch.float32)
     br = floats[:big].view(*bshape, nseg, k)
     babs = floats[big: 2 * big].view(*bshape, nseg, k)
@@ -149,6 +151,7 @@ def weight_side_of(shape: tuple[int, ...], buf: Tensor) -> WeightSide:
     return ws
 
 
+@lru_cache(maxsize=1024)  # pure, and asked for every encoding
 def buffer_geometry(bshape: tuple[int, ...], k: int, n: int) -> tuple[tuple[int, ...], ...]:
     """Shapes and strides of ``Br`` ([..., K, nseg], segment-major) and of a factor
     ([..., 1, nseg]) in an encoding buffer (``native._encode``)."""
@@ -164,7 +167,7 @@ class Prepared:
     the four factors."""
 
     __slots__ = ("keep", "br_ptr", "babs_ptr", "br_shape", "br_strides", "sbrs", "f_ptrs", "f_shape",
-                 "f_strides", "flat")
+                 "f_strides", "flat", "geometry")
 
     @classmethod
     def of(cls, ws: WeightSide) -> "Prepared":
@@ -191,7 +194,7 @@ class Prepared:
             big *= size
         small, p = big // k, buf.data_ptr()
         f_ptrs = tuple(p + o for o in factor_offsets(big, small))
-        return cls._make(buf, p, p + _offsets(big, small)[1], br_shape, br_strides, f_ptrs, f_shape, f_strides)
+        return cls._make(buf, p, p + buffer_offsets(big, small)[1], br_shape, br_strides, f_ptrs, f_shape, f_strides)
 
     @classmethod
     def _make(cls, keep: object, br_ptr: int, babs_ptr: int, br_shape: tuple[int, ...], br_strides: tuple[int, ...],
@@ -201,6 +204,8 @@ class Prepared:
         prep.sbrs = br_strides[-1]
         prep.f_ptrs, prep.f_shape, prep.f_strides = f_ptrs, f_shape, f_strides
         prep.flat = len(br_shape) == 2 and len(f_shape) == 2  #: no batch dims
+        #: the layout a check walks (``native_plan``: what a planned call depends on)
+        prep.geometry = (br_shape, br_strides, f_shape, f_strides)
         return prep
 
 
@@ -402,7 +407,7 @@ class Call:
             encode_at(self.ext, b, r, self.threads, bb, enc)
             big = b.shape[-2] * self.nseg * bb[0]
             small = big // b.shape[-2]
-            br_ptr, babs_ptr, sbrs = enc, enc + _offsets(big, small)[1], b.shape[-2]
+            br_ptr, babs_ptr, sbrs = enc, enc + buffer_offsets(big, small)[1], b.shape[-2]
             factors = [enc + o for o in factor_offsets(big, small)]
         else:
             br_ptr, babs_ptr, sbrs, *factors = self.warm

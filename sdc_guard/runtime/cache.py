@@ -71,6 +71,8 @@ def _fsdp_module_type() -> type | None:
 
 def local_tensor(t: Tensor) -> Tensor:
     """``t`` itself, or a ``DTensor``'s local shard (what its GEMMs compute on)."""
+    if type(t) is Tensor:  # every activation: no subclass to look for
+        return t
     dtensor = _dtensor_type()
     if dtensor is not None and isinstance(t, dtensor):
         return t._local_tensor
@@ -189,11 +191,18 @@ class WeightCache:
         entry with the encoder that made it. Custom checksum weights are not cached (the
         key would have to include them).
         """
-        if checksum_weight is not None or not self.is_cacheable(b):
+        # the lookup runs for every verified GEMM: the storage is read once, for the
+        # registration test and the key (``storage_address``, ``cache_key``)
+        if checksum_weight is None:
+            b = local_tensor(b)
+            try:
+                address = b.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):  # no storage: see storage_address
+                address = None
+        if checksum_weight is not None or address not in self._storages:
             self.stats.uncacheable += 1
             return None
-        b = local_tensor(b)
-        key = cache_key(b)
+        key = (address, b.storage_offset(), b.shape, b.stride(), b.dtype, b.device)
         entry = self._entries.get(key)
         if entry is not None:
             if entry[0] == b._version:
@@ -205,8 +214,8 @@ class WeightCache:
         version = b._version
         # b itself is kept (a detached alias may not share its version counter); the
         # encoding reads a no-grad alias, since b's base may since have been updated in place
-        with torch.no_grad():
-            encoded = encode(b.detach())
+        # (on which nothing the encoding computes is recorded: no grad mode needed)
+        encoded = encode(b.detach())
         nbytes = encoded.nbytes
         self._entries[key] = (version, b, encoded, encode, nbytes)
         self._bytes += nbytes

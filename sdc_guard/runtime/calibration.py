@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..respond import distributed
 
@@ -80,10 +79,24 @@ class Pair:
     guarded: float  #: seconds of the same closure under the guard
     measured: float  #: guard work the guard timed itself inside the guarded run (verification, hooks)
     estimate: float  #: the per-op estimate of interception for the guarded run
+    #: the same two runs in this thread's CPU time (``thread_clock``), or ``None`` (wall time only)
+    bare_cpu: float | None = None
+    guarded_cpu: float | None = None
+
+    @property
+    def cpu(self) -> bool:
+        """Whether the pair was timed in CPU time too (``residual`` is then in CPU seconds)."""
+        return self.bare_cpu is not None and self.guarded_cpu is not None and self.guarded > 0
 
     @property
     def residual(self) -> float:
-        """Interception's real cost in this run (negative only through timing noise)."""
+        """Interception's real cost in this run (negative only through timing noise). In
+        CPU time where the pair has it: another process that takes the core during one
+        run of the pair moves its wall time by as much as the interception itself on a
+        shared machine, and its CPU time not at all; what the guard timed itself (wall
+        time) is brought to the same clock by the guarded run's CPU share."""
+        if self.cpu:
+            return self.guarded_cpu - self.bare_cpu - self.measured * (self.guarded_cpu / self.guarded)  # type: ignore[operator]
         return self.guarded - self.bare - self.measured
 
 
@@ -98,6 +111,8 @@ class Replay:
     events: tuple[int, int] = (0, 0)  #: the ledger clock's accelerator checks of the guarded run
     ops: int = 0  #: aten ops intercepted in the guarded run
     module_calls: int = 0  #: module calls tracked in the guarded run
+    bare_cpu: float | None = None  #: the bare run in this thread's CPU time (``thread_clock``)
+    guarded_cpu: float | None = None  #: the guarded run in this thread's CPU time
 
 
 class Calibration:
@@ -144,6 +159,12 @@ class Calibration:
         return max(0.0, statistics.median(p.residual / p.estimate for p in self.pairs))
 
     @property
+    def cpu(self) -> bool:
+        """Whether the factor is in CPU time (the newest pair's clock): a report then
+        brings the interception it gives to its step's wall time (``StepLedger.report``)."""
+        return bool(self.pairs) and self.pairs[-1].cpu
+
+    @property
     def floor(self) -> float:
         """The fastest bare run of the closure measured: a lower bound of the unguarded
         step, which keeps a noisy factor from claiming more than the whole step."""
@@ -164,6 +185,17 @@ def calibration_of(model: nn.Module, every: int | None) -> Calibration:
         calibration = _calibrations[model] = Calibration(every)
     calibration.every = every
     return calibration
+
+
+def thread_clock(model: nn.Module) -> bool:
+    """Whether a replay of ``model``'s step is timed in this thread's CPU time as well as
+    in wall time: where that time is the step's own work, a model all on the CPU computing
+    on this one thread (one intra-op thread), in one process (a rank waiting for the
+    others in a collective spends wall time, not CPU time). Elsewhere (an accelerator,
+    intra-op threads, ranks) wall time alone."""
+    if torch.get_num_threads() != 1 or distributed.world_size() > 1:
+        return False
+    return all(p.device.type == "cpu" for p in model.parameters())
 
 
 def synchronize(model: nn.Module) -> None:
@@ -189,13 +221,12 @@ class Replays:
         self.bare = False  #: a bare run is under way: interception is off
 
     def eligible(self) -> bool:
-        """Whether the open step can be replayed bare: its first run, watched, on the
-        dispatch-mode route, with this guard's mode the only one on the thread (another
-        mode, a fault drill's or a profiler's, would see both runs)."""
+        """Whether the open step can be replayed bare: its first run, watched, on a route
+        that can switch its checks off and on again (``Guard.replayable``: the dispatch
+        route, with this guard's mode the only one on the thread; another mode, a fault
+        drill's or a profiler's, would see both runs), this guard alone on its thread."""
         g = self.guard
-        return (g.step_open and g.watching and g._attempt == 0 and not g.compiled and g.intercepting
-                and torch._C._len_torch_dispatch_stack() == 1 and _get_current_dispatch_mode() is g._mode
-                and g.alone_on_thread())
+        return g.step_open and g.watching and g._attempt == 0 and g.replayable and g.alone_on_thread()
 
     def due(self, possible: bool, first_run_started: float | None = None) -> bool:
         """Whether the step replays now. ``possible``: the caller has a closure to replay.
@@ -244,10 +275,12 @@ class Replays:
         g._sync_mode()
         try:
             synchronize(g.model)
-            began = time.perf_counter()
+            cpu = thread_clock(g.model)
+            began, began_cpu = time.perf_counter(), time.thread_time()
             result = fn()
             synchronize(g.model)
             ledger.replay.bare = time.perf_counter() - began
+            ledger.replay.bare_cpu = time.thread_time() - began_cpu if cpu else None
         finally:
             self.bare = False
             if g.watching and not g.compiled:
@@ -264,10 +297,12 @@ class Replays:
         assert replay is not None, "run_guarded() without due()"
         synchronize(g.model)
         hooks, events, (ops, calls) = ledger.hook_seconds, ledger.clock.events, self._counts()
-        began = time.perf_counter()
+        cpu = replay.bare_cpu is not None
+        began, began_cpu = time.perf_counter(), time.thread_time()
         result = fn()
         synchronize(g.model)
         replay.guarded = time.perf_counter() - began
+        replay.guarded_cpu = time.thread_time() - began_cpu if cpu else None
         now_ops, now_calls = self._counts()
         replay.hooks = ledger.hook_seconds - hooks
         replay.events = (events, ledger.clock.events)

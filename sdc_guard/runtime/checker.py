@@ -7,11 +7,14 @@ verification returns; this is the part that runs a check.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
 from .. import backends
 from ..backends import Backend, GemmRequest
 from ..core.precision import SUPPORTED_DTYPES, ScreenTerms, resolve_screen
+from ..core.summary import clear_summary, summarize
 from .cache import WeightCache
 from .ops import Gemm
 
@@ -31,19 +34,40 @@ class Checker:
         self.cache = cache
         self._backend_choice: dict[tuple, Backend] = {}
         self._e_max_choice: dict[tuple, tuple[float, ScreenTerms]] = {}
+        #: per kind of call (``choose_backend``'s key): what every check of that kind
+        #: reuses, (backend, e_max, rounding, encoder of the cached weight side or None,
+        #: whether the backend answers clear checks without a request)
+        self._routes: dict[tuple, tuple[Backend, float, ScreenTerms, Any, bool]] = {}
 
     def verify(self, gemm: Gemm) -> tuple[Tensor | None, Tensor | list[float]]:
-        key = (gemm.a.device, gemm.a.dtype)
-        choice = self._e_max_choice.get(key)
+        a, b, out, bias, alpha, beta = gemm.a, gemm.b, gemm.out, gemm.bias, gemm.alpha, gemm.beta
+        key = (a.device, a.dtype, a.dim(), b.dim(), bias is not None, alpha == 1.0)
+        route = self._routes.get(key)
+        if route is None:
+            route = self._routes[key] = self._route(gemm)
+        backend, e_max, rounding, encode, fast = route
+        # the operator re-reads B itself; the others take the cached encoding
+        weight = self.cache.get(b, encode=encode) if encode is not None else None
+        if fast:  # the guard's hot path: no request object for a clear check
+            worst = backend.clear_gemm(a, b, out, e_max, bias=bias, alpha=alpha, beta=beta, weight=weight,
+                                       rounding=rounding)
+            if worst is not None:
+                return None, clear_summary(worst)
+        req = GemmRequest(a, b, out, e_max, bias=bias, alpha=alpha, beta=beta, weight=weight, rounding=rounding)
+        if fast:  # not clear: the full check, confirmed (its clear_worst already said no)
+            return summarize(req, backend.check(req), weight is not None)
+        return backend.summarize(req, cached=weight is not None)
+
+    def _route(self, gemm: Gemm) -> tuple[Backend, float, ScreenTerms, Any, bool]:
+        a = gemm.a
+        choice = self._e_max_choice.get((a.device, a.dtype))
         if choice is None:
-            choice = self._e_max_choice[key] = resolve_screen(self.screen, self.e_max, gemm.a.dtype, gemm.a.device)
+            choice = self._e_max_choice[(a.device, a.dtype)] = resolve_screen(self.screen, self.e_max, a.dtype,
+                                                                              a.device)
         e_max, rounding = choice
         backend = self.choose_backend(gemm, e_max)
-        # the operator re-reads B itself; the others take the cached encoding
-        weight = self.cache.get(gemm.b, encode=backend.encode) if backend.name != "npu" else None
-        req = GemmRequest(gemm.a, gemm.b, gemm.out, e_max, bias=gemm.bias, alpha=gemm.alpha, beta=gemm.beta,
-                          weight=weight, rounding=rounding)
-        return backend.summarize(req, cached=weight is not None)
+        fast = type(backend).clear_gemm is not Backend.clear_gemm and type(backend).summarize is Backend.summarize
+        return backend, e_max, rounding, (backend.encode if backend.name != "npu" else None), fast
 
     def choose_backend(self, gemm: Gemm, e_max: float) -> Backend:
         """The backend for GEMMs like this one, chosen once per kind of call: device,

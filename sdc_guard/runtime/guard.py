@@ -50,7 +50,7 @@ from .warn_once import warnings_of
 from .checks import MetricsSink, check_backend, check_guard_arguments, check_metrics_sink, current_rank  # noqa: F401  (also importable here)
 from .optimizer_steps import OptimizerSteps
 from .schedule import current_step, set_current_step  # noqa: F401  (also importable here)
-from .schedule import carry_over, note_sampler_begun, sampler_begun, take_carried
+from .schedule import carry_over, note_block_end, note_sampler_begun, sampler_begun, steps_end_blocks, take_carried
 
 
 class Guard(CheckIntake):
@@ -177,9 +177,12 @@ class Guard(CheckIntake):
                 self.sampler.begin_step(self.step_index)
                 note_sampler_begun(self.model, self.sampler, self.step_index)
         self._watching = rerun or sampler_watches(self.sampler)
-        if self._watching:
+        if not self._watching:
+            self._encode_due = False  # an unwatched step: its next watched one starts cold anyway
+        elif not (provisional and steps_end_blocks(self.model)):
             self.encode_due_weights()  # right after the optimizer step that made it due
-        self._encode_due = False  # an unwatched step: its next watched one starts cold anyway
+        # else one block per step: the block's exit would drop the encodings made now, the
+        # next activation invalidating them; its next GEMM makes them if the block goes on
         self._optimizers.reset()
         if self._watching:
             if not rerun or not self._watched_last:
@@ -238,6 +241,8 @@ class Guard(CheckIntake):
             raise RuntimeError("end_step(): no step is open (use it inside the protect() block)")
         self._sites.stop()
         self._step_open = False
+        if self._provisional:  # opened by optimizer_step: did the block end right after it?
+            note_block_end(self.model, after_step=not keep_empty)
         self._interception.retiring = False  # the next step's modes are the compiled route's alone
         self._ledger.ops += self._interception.take_ops()  # the mode goes on for the next step
         self._ledger.module_calls += self._sites.calls
@@ -413,6 +418,18 @@ class Guard(CheckIntake):
         self._sync_mode()
         self._interception.interceptor = None  # the next activation builds its own (handlers added since)
         self.charge(time.perf_counter() - started)
+
+    @property
+    def replayable(self) -> bool:
+        """Whether the open step's closure can run once bare for a calibration replay
+        (``sdc_guard.runtime.calibration``): the route switches all its checks off while
+        ``replays.bare`` is set (``_sync_mode``) and on again after, and no other mode
+        would see both runs. The dispatch route, with its mode the only one on the thread;
+        the compiled route not (yet): its graphs are traced with the function mode, and
+        leaving it would compile them again without their checks."""
+        if self.compiled:
+            return False
+        return self._interception.sole_dispatch_mode
 
     @property
     def intercepting(self) -> bool:

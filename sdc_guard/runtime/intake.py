@@ -24,6 +24,7 @@ from .attention import AttentionCall, verify as verify_attention
 from .cache import WeightCache, storage_address, storage_addresses
 from .checker import Checker, verifiable
 from .intercept import GLOBAL_SITE, Gemm, SiteTracker, current_phase
+from .report import dtype_name
 from .ledger import Pending, StepLedger
 from .report import KindKey
 from .sampling import Sampler, SiteKey
@@ -71,6 +72,14 @@ class CheckIntake:
                             "counted in unverified_ops, not verified (docs/COMPILE.md, 'Limits'); eager code "
                             "verifies them (protect(model, compiled=False) runs the model's frames eagerly)")
 
+    def note_intercepted(self, calls: int = 1) -> None:
+        """Count ``calls`` a route made into the guard's Python without timing them
+        (each is a round trip into the guard: a dispatch-mode op, which the mode counts
+        itself, or a compiled graph's check op, which calls this): the per-op estimate of
+        interception, which calibration replays scale to its measured cost
+        (``StepLedger.interception_estimate``)."""
+        self._ledger.ops += calls
+
     def on_write(self, tensors: list[Tensor]) -> None:
         """Called by the dispatch mode with the tensors an op wrote: a parameter written by
         the program needs its cached encoding remade (``sdc_guard.runtime.cache``)."""
@@ -100,11 +109,14 @@ class CheckIntake:
         watched step, have them re-encoded while their value is known good: right after
         an optimizer step wrote them. The re-encoding runs when this guard next opens a
         watched step or sees its next GEMM, whichever comes first (``encode_due_weights``):
-        in a long-lived block that is right after the optimizer step, before the next
-        batch is even loaded. A block that exits first drops it (the next activation makes
-        every encoding stale anyway), and so does a next step the sampler does not watch:
-        with one ``protect()`` block per step, or between ``Budget`` sweeps, the work
-        would be thrown away. After an unwatched step it does nothing."""
+        in a long-lived block that is right after the optimizer step (the step
+        ``optimizer_step`` opens next), before the next batch is even loaded. A block that
+        exits first drops it (the next activation makes every encoding stale anyway), and
+        so does a next step the sampler does not watch: with one ``protect()`` block per
+        step, or between ``Budget`` sweeps, the work would be thrown away. So where the
+        model's blocks end right after ``optimizer_step`` (``schedule.steps_end_blocks``)
+        the step opened next leaves it to its first GEMM. After an unwatched step it does
+        nothing."""
         if not self._watching:  # the next watched step invalidates every encoding anyway
             return
         started = time.perf_counter()
@@ -150,21 +162,31 @@ class CheckIntake:
         return not any(g._sites.inside() for g in guards[1:])
 
     def _on_gemm(self, gemm: Gemm, module: str | None = None, phase: str | None = None) -> None:
-        phase = phase or current_phase()
-        site_name = module if module is not None else self._sites.site(gemm.out, (gemm.a, gemm.b))
+        # Every GEMM of a watched step comes here, right after its kernel has left the
+        # caches cold: each line costs its misses, so the path is kept short (one lookup
+        # per table, no object beyond the ledger's record).
+        backward = None  # given a phase, the site tracker asks the engine itself, as ever
+        if phase is None:
+            backward = torch._C._current_graph_task_id() != -1
+            phase = "backward" if backward else "forward"
+        a, op = gemm.a, gemm.op
+        site_name = module if module is not None else self._sites.site(gemm.out, (a, gemm.b), backward)
         if site_name == GLOBAL_SITE and not self.owns_outside_gemm():
             return  # another guarded model's GEMM
-        kind: KindKey = (gemm.op, phase, str(gemm.a.dtype).removeprefix("torch."))
-        call_index = self._ledger.see(kind)
+        ledger = self._ledger
+        kind: KindKey = (op, phase, dtype_name(a.dtype))
+        call_index = ledger.see(kind)
         if not verifiable(gemm):
-            self.on_unverified(f"{gemm.op}[{kind[2]}]")
+            self.on_unverified(f"{op}[{kind[2]}]")
             return
-        site: SiteKey = (site_name, phase, gemm.op)
-        self._ledger.sites_seen.add(site)
+        site: SiteKey = (site_name, phase, op)
+        ledger.sites_seen.add(site)
         if self._attempt == 0 and not self.sampler.should_verify(site):
             return
-        device = gemm.out.device
-        started = self._ledger.clock.start(device)
+        out = gemm.out
+        cuda = out.is_cuda
+        clock = ledger.clock
+        started = clock.start_cuda() if cuda else time.perf_counter()
         try:
             if torch._C._len_torch_dispatch_stack() == 0:  # ours is off while its handler runs
                 sdc, summary = self.checker.verify(gemm)
@@ -172,13 +194,14 @@ class CheckIntake:
                 with _disable_current_modes():  # modes below ours (a drill, a profiler) too
                     sdc, summary = self.checker.verify(gemm)
         except Exception as exc:  # a monitoring failure never stops training
-            self._warn_once(f"verify:{type(exc).__name__}", f"sdc_guard: could not verify a {gemm.op} "
+            self._warn_once(f"verify:{type(exc).__name__}", f"sdc_guard: could not verify a {op} "
                             f"GEMM ({type(exc).__name__}: {exc}); counting it as unverified")
-            self.on_unverified(gemm.op)
+            self.on_unverified(op)
             return
-        elapsed = self._ledger.clock.stop(device, started)
-        shape = (*gemm.out.shape[:-2], gemm.a.shape[-2], gemm.a.shape[-1], gemm.b.shape[-1])
-        self._ledger.record(Pending(site, kind, call_index, shape, gemm.a.dtype, sdc, summary), elapsed)
+        elapsed = clock.stop_cuda(started) if cuda else clock.add(time.perf_counter() - started)
+        m, k = a.shape[-2:]
+        shape = (*out.shape[:-2], m, k, gemm.b.shape[-1])
+        ledger.record(Pending(site, kind, call_index, shape, a.dtype, sdc, summary), elapsed)
 
     def on_attention(self, call: AttentionCall, site: str | None = None, phase: str | None = None) -> None:
         """Called by the dispatch mode (or the compiled route's ``check_attention``, with the

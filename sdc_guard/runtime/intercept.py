@@ -172,21 +172,30 @@ class SiteTracker:
         node = torch._C._current_autograd_node()
         return node is not None and node.metadata.get(self._key, GLOBAL_SITE) != GLOBAL_SITE
 
-    def site(self, out: Tensor, operands: tuple[Tensor, ...]) -> str:
-        """The site of the GEMM that produced ``out`` from ``operands`` (see the class doc)."""
+    def site(self, out: Tensor, operands: tuple[Tensor, ...], backward: bool | None = None) -> str:
+        """The site of the GEMM that produced ``out`` from ``operands`` (see the class doc).
+        ``backward``: whether the autograd engine runs it (``current_phase``), when the
+        caller knows already."""
         if self._pending or self._pending_hop:
             self._label_pending()
         modules = branch_modules()
         site = self._branch_site(modules) if modules else None  # a node of a captured HOP body
         if site is None:
             stack = self._stacks.get(threading.get_ident())
-            if not stack and torch._C._current_graph_task_id() != -1:  # a backward GEMM
-                node = torch._C._current_autograd_node()
-                return node.metadata.get(self._key, GLOBAL_SITE) if node is not None else GLOBAL_SITE
-            # a forward, or one recomputed by activation checkpointing during backward
-            site = stack[-1] if stack else GLOBAL_SITE
-        if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
-            self._pending.append((out, site))
+            if not stack:
+                if backward is None:
+                    backward = torch._C._current_graph_task_id() != -1
+                if backward:  # a backward GEMM
+                    node = torch._C._current_autograd_node()
+                    return node.metadata.get(self._key, GLOBAL_SITE) if node is not None else GLOBAL_SITE
+                site = GLOBAL_SITE
+            else:  # a forward, or one recomputed by activation checkpointing during backward
+                site = stack[-1]
+        for t in operands:
+            if t.requires_grad:
+                if torch.is_grad_enabled():
+                    self._pending.append((out, site))
+                break
         return site
 
 
@@ -279,6 +288,18 @@ def written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
                  if arg.alias_info is not None and arg.alias_info.is_write)
 
 
+#: per overload id, what it writes (``written_arguments``): its schema never changes;
+#: with the overload itself, kept alive so that its id is never another op's
+_WRITES: dict[int, tuple[tuple[tuple[int, str], ...], Any]] = {}
+
+
+def _writes_of(func: Any) -> tuple[tuple[int, str], ...]:
+    known = _WRITES.get(id(func))
+    if known is None:
+        known = _WRITES[id(func)] = (written_arguments(func), func)
+    return known[0]
+
+
 def _written_tensors(args: tuple, kwargs: dict, where: tuple[tuple[int, str], ...]) -> list[Tensor]:
     out: list[Tensor] = []
     for i, name in where:
@@ -321,7 +342,10 @@ class GemmInterceptor(RoutingMode):
                           for overload in gemm_overloads(packet)}
         # fused attention: one handler per SDPA kernel (sdc_guard.runtime.attention)
         self._attention = {id(packet.default): handler for packet, handler in ATTENTION_HANDLERS.items()}
-        self._writes: dict[int, tuple[tuple[int, str], ...]] = {}  #: per overload, what it writes
+
+    def quiet(self, func: Any, route: Route) -> bool:
+        """A plain op that writes no tensor: nothing to hand the guard."""
+        return route is Route.PLAIN and not _writes_of(func)
 
     def ignore_compile_internals(self) -> bool:  # type: ignore[override]
         """As ``RoutingMode``'s, and yes when dynamo is about to compile any other frame and
@@ -346,16 +370,13 @@ class GemmInterceptor(RoutingMode):
         return node is None or node._sequence_nr() >= self._cutoff  # type: ignore[operator]
 
     def after(self, func: Any, route: Route, args: tuple, kwargs: dict, out: Any) -> None:
-        key = id(func)
-        writes = self._writes.get(key)
-        if writes is None:
-            writes = self._writes[key] = written_arguments(func)
+        writes = _writes_of(func)
         if writes:
             self.sink.on_write(_written_tensors(args, kwargs, writes))
         if self._cutoff is not None and route is not Route.PLAIN and self._retired_here():
             return
         if route is Route.GEMM:
-            gemm = self._handlers[key](args, kwargs, out)
+            gemm = self._handlers[id(func)](args, kwargs, out)
             if gemm is not None:
                 self.sink.on_gemm(gemm)
                 return

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch.overrides import _get_current_function_mode
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -55,6 +56,14 @@ class Interception:
         """Whether interception is on now: the dispatch mode, or the compiled route's
         function mode."""
         return self.mode is not None or (self.function_mode is not None and self.function_mode.compiled)
+
+    @property
+    def sole_dispatch_mode(self) -> bool:
+        """Whether the dispatch mode is on and the only dispatch mode of the thread: then
+        leaving it and entering it again around a bare run (a calibration replay) leaves
+        no other mode that would see both runs."""
+        return (self.mode is not None and torch._C._len_torch_dispatch_stack() == 1
+                and _get_current_dispatch_mode() is self.mode)
 
     def sync(self, wanted: bool) -> int:
         """Enter the modes the guard's route needs when ``wanted``, leave them otherwise;

@@ -59,6 +59,24 @@ class Clock:
             return event
         return time.perf_counter()
 
+    def start_cuda(self) -> Any:
+        """``start`` on a CUDA device."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop_cuda(self, started: Any) -> float:
+        """``stop`` on a CUDA device: 0 now, the time once the step synchronises."""
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._events.append((started, end))
+        return 0.0
+
+    def add(self, seconds: float) -> float:
+        """``stop`` on the host: add ``seconds`` (timed by the caller) and return them."""
+        self.seconds += seconds
+        return seconds
+
     def stop(self, device: torch.device, started: Any) -> float:
         """Add the elapsed time; returns it where known now (CPU), else 0."""
         if device.type == "cuda":
@@ -98,6 +116,7 @@ class StepLedger:
         self.by_kind: dict[KindKey, GemmCounts] = {}
         self.clock = Clock()
         self.started = time.perf_counter()
+        self.started_cpu = time.thread_time()  #: for a CPU-time calibration (``report``)
         self.ops = 0  #: aten ops the dispatch mode intercepted
         self.hook_seconds = 0.0  #: host time in the guard's per-op hooks (verification on CPU included)
         self.module_calls = 0  #: module calls the site tracker's hooks ran for
@@ -111,7 +130,10 @@ class StepLedger:
     def see(self, kind: KindKey) -> int:
         """Count a GEMM; returns its index among the step's GEMMs."""
         self.seen += 1
-        self.by_kind.setdefault(kind, GemmCounts()).seen += 1
+        counts = self.by_kind.get(kind)
+        if counts is None:
+            counts = self.by_kind[kind] = GemmCounts()
+        counts.seen += 1
         return self.seen - 1
 
     def unverifiable(self, op: str) -> None:
@@ -162,7 +184,7 @@ class StepLedger:
             return None
         measured = replay.hooks + self.clock.gpu_seconds(*replay.events)
         estimate = replay.ops * round_trip + replay.module_calls * module_hook
-        return Pair(replay.bare, replay.guarded, measured, estimate)
+        return Pair(replay.bare, replay.guarded, measured, estimate, replay.bare_cpu, replay.guarded_cpu)
 
     def report(self, step: int, attempt: int, rank: int, *, watched: bool = True,
                stats: ScreenStats | None = None, round_trip: float = 0.0, module_hook: float = 0.0,
@@ -175,7 +197,8 @@ class StepLedger:
         if stats is not None:
             for p, s in zip(self.pending, summaries):
                 stats.observe(p.site, s[1], s[0] > 0 or s[4] > 0)
-        step_seconds = time.perf_counter() - self.started + self.carried_seconds
+        wall = time.perf_counter() - self.started
+        step_seconds = wall + self.carried_seconds
         verify_seconds = self.clock.total()
         detections = [
             detection(step, p, s[1], rank, "gemm" if s[5] > 0 else "weight")
@@ -190,6 +213,11 @@ class StepLedger:
         if calibration is not None and pair is not None:
             calibration.add(pair)
         scale = calibration.factor if calibration is not None else None
+        if scale is not None and calibration is not None and calibration.cpu:
+            # a factor in CPU time: this step's interception in its own wall time, as the
+            # rest of the account is (on a shared core, wall time runs ahead of CPU time)
+            cpu = time.thread_time() - self.started_cpu
+            scale *= max(1.0, wall / cpu) if cpu > 0 else 1.0
         estimate = self.interception_estimate(round_trip, module_hook)
         # the unguarded step takes at least the fastest bare run of its closure measured: a
         # factor a disturbed pool made too large gives way (interception only, what the

@@ -250,6 +250,12 @@ def _any_subclass(types: Any, module: str, name: str) -> bool:
     return cls is not None and any(issubclass(t, cls) for t in types)
 
 
+#: Per ``RoutingMode`` subclass: (the registry state they were learnt under, route per
+#: overload id, the ids of the quiet overloads, the overloads themselves). See
+#: ``RoutingMode.__init__``.
+_TABLES: dict[type, tuple[tuple, dict[int, "Route"], set[int], list[Any]]] = {}
+
+
 class RoutingMode(TorchDispatchMode):
     """The dispatch mode both the guard's interceptor and the fault injector are: routes
     every op by :func:`route_of` and every HOP by :data:`HOP_BODIES`, and hands each op it
@@ -280,10 +286,30 @@ class RoutingMode(TorchDispatchMode):
     def __init__(self, sites: BranchSites | None = None) -> None:
         super().__init__()
         self.sites = sites
-        # keyed by the overload's id: OpOverload hashes in Python, and this lookup runs
-        # for every aten op of the model
-        self._routes: dict[int, Route] = {}
+        # Per overload, keyed by its id (OpOverload hashes in Python, and these lookups run
+        # for every aten op of the model): its route, and whether ``after`` has anything
+        # to do with it (``quiet``). Shared by every mode of this class while the registry
+        # stays as it is (``registry_state``): a per-step ``protect()`` block makes a mode
+        # per step, and learning some forty overloads again each time cost about 1 ms.
+        state = self.registry_state()
+        tables = _TABLES.get(type(self))
+        if tables is None or tables[0] != state:
+            tables = _TABLES[type(self)] = (state, {}, set(), [])
+        _, self._routes, self._quiet, self._known = tables
         self.ops = 0
+
+    @classmethod
+    def registry_state(cls) -> tuple:
+        """What the per-overload tables depend on: the registry's entries (a handler or a
+        HOP body added since, or a table replaced, makes new tables)."""
+        return (tuple(GEMM_HANDLERS.items()), id(ATTENTION_OPS), id(UNVERIFIED_GEMM_OPS), id(REDISPATCH_OPS),
+                tuple(HOP_BODIES.items()))
+
+    def quiet(self, func: Any, route: Route) -> bool:
+        """Whether :meth:`after` does nothing for ``func`` on ``route`` (asked once per
+        overload): such an op is run straight away, its Python round trip kept to that of
+        an empty mode. None is quiet by default."""
+        return False
 
     def after(self, func: Any, route: Route, args: tuple, kwargs: dict, out: Any) -> None:
         """Called with every op the mode ran (not the decomposed or re-dispatched ones,
@@ -298,26 +324,30 @@ class RoutingMode(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
         if types:
             if defer_to_dtensor(types):  # its local op, on the local shards, comes back here
                 self.ops += 1
                 return NotImplemented
             if on_fake_tensors(types):  # DTensor's sharding propagation: no data, nothing to account
-                return func(*args, **kwargs)
+                return func(*args, **(kwargs or {}))
         self.ops += 1
+        key = id(func)
+        if key in self._quiet:  # most ops: nothing to route, nothing to report
+            return func(*args, **kwargs) if kwargs else func(*args)
+        kwargs = kwargs or {}
         if isinstance(func, HigherOrderOperator):
             return self._higher_order(func, args, kwargs)
-        key = id(func)
         route = self._routes.get(key)
         if route is None:
-            route = self._routes[key] = route_of(func)
+            route = self._learn(func, route_of(func))
+            if route is Route.PLAIN and key in self._quiet:
+                return func(*args, **kwargs)
         if route is Route.DECOMPOSE:
             with reentered(self):
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
                 return out
-            route = self._routes[key] = Route.PLAIN
+            route = self._learn(func, Route.PLAIN)
         elif route is Route.REDISPATCH:
             with reentered(self):
                 return redispatch_below_python(func, args, kwargs)
@@ -328,6 +358,15 @@ class RoutingMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.after(func, route, args, kwargs, out)
         return out
+
+    def _learn(self, func: Any, route: Route) -> Route:
+        """Record ``func``'s route (and whether it is quiet) in the shared tables."""
+        if id(func) not in self._routes:
+            self._known.append(func)  # kept alive, so that its id is never another op's
+        if route is Route.PLAIN and self.quiet(func, route):
+            self._quiet.add(id(func))
+        self._routes[id(func)] = route
+        return route
 
     def _higher_order(self, func: HigherOrderOperator, args: tuple, kwargs: dict) -> Any:
         body = HOP_BODIES.get(func.name())

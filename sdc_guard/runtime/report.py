@@ -41,6 +41,20 @@ class Detection:
 
 KindKey = tuple[str, str, str]  #: (op, phase, dtype): bounded label set for metrics
 
+_DTYPE_NAMES: dict[object, str] = {}
+
+
+def dtype_name(dtype: object) -> str:
+    """``"float32"`` for ``torch.float32``: the dtype label of ``KindKey``.
+
+    >>> import torch; dtype_name(torch.bfloat16)
+    'bfloat16'
+    """
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
 
 @dataclass
 class GemmCounts:
@@ -108,7 +122,8 @@ class StepReport:
     #: the per-op estimate of interception, uncalibrated (a lower bound)
     interception_estimate_seconds: float = 0.0
     #: measured interception / its per-op estimate, from this model's calibration replays
-    #: (None: no replay yet, the estimate stands)
+    #: (None: no replay yet, the estimate stands); replays timed in CPU time (a CPU model on
+    #: one thread) are brought to this step's wall time (its wall over its CPU time)
     interception_factor: float | None = None
     #: what this step's calibration replay took (the closure bare, its effects undone);
     #: 0 without one. Part of guard_seconds.

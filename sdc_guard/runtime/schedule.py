@@ -87,3 +87,26 @@ def take_carried(model: nn.Module) -> float:
     (0.75, 0.0)
     """
     return _carried.pop(_model(model), 0.0)
+
+
+#: Models whose last ``optimizer_step`` was the last thing its ``protect()`` block did
+#: (the step ``optimizer_step`` opens in advance was dropped when the block exited).
+_ends_blocks: "weakref.WeakKeyDictionary[nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def steps_end_blocks(model: nn.Module) -> bool:
+    """Whether ``model``'s ``protect()`` blocks were last seen to end right after an
+    ``optimizer_step`` (one block per step): the guard then leaves the re-encoding of
+    the updated weights to the next GEMM, since the next block's activation would make
+    an encoding made now stale before any GEMM read it (``Guard.begin_step``).
+
+    >>> m = torch.nn.Linear(2, 2); note_block_end(m, after_step=True); steps_end_blocks(m)
+    True
+    """
+    return _ends_blocks.get(_model(model), False)
+
+
+def note_block_end(model: nn.Module, *, after_step: bool) -> None:
+    """Record how the step ``optimizer_step`` opened in advance ended: dropped by the
+    block's exit (``after_step``), or used by the block."""
+    _ends_blocks[_model(model)] = after_step

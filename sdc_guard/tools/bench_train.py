@@ -60,9 +60,15 @@ from .toy_gpt import GPT, GPTConfig
 #: The configuration that runs forward and backward under ``EmptyMode``.
 EMPTY_MODE = "empty dispatch mode"
 
-#: The targets this benchmark checks (docs/PERFORMANCE.md): Budget alone holds its budget
-#: (``--budget``, 5 % by default); with a window, which wins over the budget, 7 %.
+#: The targets this benchmark checks (docs/PERFORMANCE.md): eager ``Full()`` at most 25 %
+#: of the step; Budget alone holds its budget (``--budget``, 5 % by default); with a
+#: window, which wins over the budget, 7 %; every guarded row's own account within 3
+#: points of what it measured. (``TARGET_FULL``: the compiled route's, ``--compile``.)
 TARGET_FULL = 0.20
+TARGET_FULL_EAGER = 0.25
+TARGET_REPORTED_GAP = 0.03
+#: Consecutive blocks of measured rounds the spread of a figure is taken over.
+SPREAD_BLOCKS = 5
 TARGET_BUDGET = 0.07
 TARGET_WINDOW = 20
 #: The compiled route's targets (``--compile``): ``Full()`` of the compiled step, without and
@@ -256,27 +262,31 @@ def run(args: argparse.Namespace) -> Outcome:
     rounds = args.warmup + args.steps
     progress = Progress(rounds, quiet=args.quiet)
     times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}  #: this thread's CPU time of each step
     reports: dict[str, list[Any]] = {name: [] for name in guards}
+    report_rounds: dict[str, list[int]] = {name: [] for name in guards}  #: measured round of each report
     load_before = load_average()
     for r in range(rounds):
         x, y = _batch(args, r, device)
         order = names[r % len(names):] + names[: r % len(names)]
-        took = {}
+        took, took_cpu = {}, {}
         for name in order:
             sync(device)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             if name in guards:
                 with guards[name]:
                     train_step(name, x, y, r)
             else:
                 train_step(name, x, y, r)
             sync(device)
-            took[name] = time.perf_counter() - start
+            took[name], took_cpu[name] = time.perf_counter() - start, time.thread_time() - start_cpu
             if name in guards and guards[name].last_report is not None and r >= args.warmup:
                 reports[name].append(guards[name].last_report)
+                report_rounds[name].append(r - args.warmup)
         if r >= args.warmup:
             for name in names:
                 times[name].append(took[name])
+                cpu[name].append(took_cpu[name])
         progress.step(f"round {r + 1}" + (" (warm-up)" if r < args.warmup else ""),
                       ", ".join(f"{name} {1e3 * took[name]:.0f} ms" for name in names))
     load_after = load_average()
@@ -289,9 +299,14 @@ def run(args: argparse.Namespace) -> Outcome:
             "config": name, "step_ms_median": 1e3 * statistics.median(times[name]),
             "overhead": statistics.median(ratios) - 1.0,
             "overhead_mean": sum(times[name]) / sum(baseline) - 1.0,
+            "overhead_spread": _spread(_blocks(times[name], baseline)),
+            # the same ratio in this thread's CPU time: where the machine is shared the steadier
+            # figure (the step's own work on one intra-op thread; a lower bound with more)
+            "overhead_cpu": sum(cpu[name]) / sum(cpu["baseline"]) - 1.0,
         }
         if name in guards:
             reps = reports[name]
+            row.update(_reported_against_measured(times[name], baseline, reps, report_rounds[name]))
             verify = sum(rep.verify_seconds for rep in reps)
             added = sum(rep.guard_seconds for rep in reps)
             unguarded = sum(rep.step_seconds - rep.guard_seconds for rep in reps)
@@ -357,11 +372,14 @@ def _run_compiled(args: argparse.Namespace, device: torch.device, base: torch.nn
     runs = {key: torch.compile(models[key]) if key[0] == "compiled" else models[key] for key in names}
     optims = {key: torch.optim.AdamW(models[key].parameters(), lr=work.lr if work else 1e-3) for key in names}
     fresh = {key: copy.deepcopy(s) for key, s in ((k, configs[k[1]]) for k in names)}
-    guards = {key: protect(runs[key], sampler=fresh[key], compiled=key[0] == "compiled")
+    # rollback snapshots (the policy's cost) off, as in the eager bench
+    snapshots = {key: SnapshotStore(models[key], optims[key], every=10**9) for key in names}
+    guards = {key: protect(runs[key], sampler=fresh[key], compiled=key[0] == "compiled",
+                           snapshots=snapshots[key])
               for key in names if fresh[key] is not None}
     autocast = args.dtype == torch.bfloat16
 
-    def train_step(key: tuple[str, str], x: torch.Tensor, y: torch.Tensor, step: int) -> None:
+    def loss_of(key: tuple[str, str], x: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
         run, opt = runs[key], optims[key]
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
@@ -370,7 +388,17 @@ def _run_compiled(args: argparse.Namespace, device: torch.device, base: torch.nn
             else:
                 loss = torch.nn.functional.cross_entropy(run(x).flatten(0, 1).float(), y.flatten())
         loss.backward()
-        opt.step()
+        return loss
+
+    def train_step(key: tuple[str, str], x: torch.Tensor, y: torch.Tensor, step: int, guard: Any = None) -> None:
+        if guard is None:
+            loss_of(key, x, y, step)
+            optims[key].step()
+            return
+        # guarded: through optimizer_step, as the integrations step, so that calibration
+        # replays measure interception where the route allows them (Guard.replayable)
+        optims[key].zero_grad(set_to_none=True)
+        guard.optimizer_step(optims[key], lambda: loss_of(key, x, y, step))
 
     rounds = args.warmup + args.steps
     times: dict[tuple[str, str], list[float]] = {key: [] for key in names}
@@ -386,7 +414,7 @@ def _run_compiled(args: argparse.Namespace, device: torch.device, base: torch.nn
                 train_step(key, x, y, r)
             else:
                 with guards[key] as guard:
-                    train_step(key, x, y, r)
+                    train_step(key, x, y, r, guard)
             sync(device)
             if r >= args.warmup:
                 times[key].append(time.perf_counter() - start)
@@ -408,10 +436,16 @@ def _run_compiled(args: argparse.Namespace, device: torch.device, base: torch.nn
                "overhead_cpu": sum(cpu[key]) / sum(cpu[(mode, "baseline")]) - 1.0,
                "gemms_verified_per_step": statistics.mean(rep.verified for rep in reps) if reps else 0.0,
                "flagged": sum(rep.flagged for rep in reps)}
+        if reps:
+            row.update({"reported_overhead": _account(reps), "reported_gap": _account(reps) - row["overhead_mean"],
+                        "calibrated_share": sum(rep.overhead_calibrated for rep in reps) / len(reps)})
         results.append(row)
+        account = (f"  reported {pct(row['reported_overhead'])} ({_points(row['reported_gap'])}, calibrated "
+                   f"{pct(row['calibrated_share'])})" if reps else "")
         lines.append(f"  {mode:8s} {name:24s} {row['step_ms_median']:8.1f} ms  overhead median "
                      f"{100 * row['overhead']:6.1f} %  mean {100 * row['overhead_mean']:6.1f} %  "
-                     f"cpu {100 * row['overhead_cpu']:6.1f} %  verified/step {row['gemms_verified_per_step']:.1f}")
+                     f"cpu {100 * row['overhead_cpu']:6.1f} %  verified/step {row['gemms_verified_per_step']:.1f}"
+                     + account)
     by = {(r["mode"], r["config"]): r for r in results}
     targets = {}
     full_target = TARGET_FULL_COMPILED_AC if getattr(args, "ac", False) else TARGET_FULL_COMPILED
@@ -429,6 +463,57 @@ def _run_compiled(args: argparse.Namespace, device: torch.device, base: torch.nn
                             "ac": getattr(args, "ac", False), "dtype": SHORT_NAME[args.dtype], "seed": args.seed},
                "results": results, "targets": targets}
     return Outcome(0, payload)
+
+
+def _blocks(times: list[float], baseline: list[float], blocks: int = SPREAD_BLOCKS) -> list[float]:
+    """The measured overhead (total over total baseline, less 1) of each of ``blocks``
+    consecutive runs of rounds: how much the figure moves within one run."""
+    n = len(times)
+    bounds = [n * j // blocks for j in range(blocks + 1)]
+    return [sum(times[a:b]) / sum(baseline[a:b]) - 1.0 for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _spread(values: list[float]) -> list[float]:
+    """``[lowest, highest]`` of ``values`` (nan without any)."""
+    return [min(values), max(values)] if values else [float("nan"), float("nan")]
+
+
+def _account(reports: list[Any]) -> float:
+    """What the guard says it added over the step time without it, over ``reports``."""
+    added = sum(rep.guard_seconds for rep in reports)
+    unguarded = sum(rep.step_seconds - rep.guard_seconds for rep in reports)
+    return added / unguarded if unguarded > 0 else float("nan")
+
+
+def _reported_against_measured(times: list[float], baseline: list[float], reports: list[Any],
+                               rounds: list[int], blocks: int = SPREAD_BLOCKS) -> dict[str, Any]:
+    """The guard's own account beside the measured overhead, over the whole run and over
+    each block of rounds (the same rounds on both sides): ``reported_gap`` is reported
+    less measured, and its spread how far the blocks' gaps range."""
+    n = len(times)
+    bounds = [n * j // blocks for j in range(blocks + 1)]
+    reported, gaps = [], []
+    for a, b in zip(bounds, bounds[1:]):
+        inside = [rep for rep, r in zip(reports, rounds) if a <= r < b]
+        if b > a and inside:
+            value = _account(inside)
+            reported.append(value)
+            gaps.append(value - (sum(times[a:b]) / sum(baseline[a:b]) - 1.0))
+    measured = sum(times) / sum(baseline) - 1.0
+    whole = _account(reports)
+    return {"reported_spread": _spread(reported), "reported_gap": whole - measured, "reported_gap_spread": _spread(gaps)}
+
+
+def _range(spread: list[float], points: bool = False) -> str:
+    """``[lo, hi]`` as ``lo..hi`` in percent (``points``: signed points)."""
+    lo, hi = spread
+    if lo != lo:
+        return "-"
+    return f"{100 * lo:+.1f}..{100 * hi:+.1f}" if points else f"{100 * lo:.1f}..{100 * hi:.1f}"
+
+
+def _points(value: float) -> str:
+    return "-" if value != value else f"{100 * value:+.1f} pt"
 
 
 def _estimated(reports: list[Any]) -> float:
@@ -462,9 +547,14 @@ def _render(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[st
     body = []
     for r in results:
         base = r["config"] == "baseline"
+        guarded = "reported_overhead" in r
         body.append([r["config"], f"{r['step_ms_median']:.1f}", "-" if base else pct(r["overhead_mean"]),
-                     "-" if base else pct(r["overhead"]),
-                     pct(r.get("reported_overhead", float("nan"))),
+                     "-" if base else _range(r["overhead_spread"]), "-" if base else pct(r["overhead"]),
+                     "-" if base else pct(r["overhead_cpu"]),
+                     pct(r["reported_overhead"]) if guarded else "-",
+                     _range(r["reported_spread"]) if guarded else "-",
+                     _points(r["reported_gap"]) if guarded else "-",
+                     _range(r["reported_gap_spread"], points=True) if guarded else "-",
                      pct(r.get("estimated_overhead", float("nan"))),
                      pct(r["calibrated_share"]) if "calibrated_share" in r else "-",
                      r.get("calibration_replays", "-"),
@@ -472,28 +562,32 @@ def _render(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[st
                      f"{r.get('gemms_verified_per_step', 0):.1f}/{r.get('gemms_seen_per_step', 0):.0f}" if "gemms_seen_per_step" in r else "-",
                      r.get("sites", "-"), r.get("max_gap_steps", "-"),
                      pct(r["budget_coverage"]) if "budget_coverage" in r else "-"])
-    what = (f"{args.model}" if args.model is not None else
-            f"a {args.layers}-layer GPT (d_model {args.d_model}, ctx {args.ctx}, batch {args.batch}")
-    lines = [f"training steps of {what}, {SHORT_NAME[args.dtype]}), {args.steps} measured rounds",
+    what = (f"{args.model} ({SHORT_NAME[args.dtype]})" if args.model is not None else
+            f"a {args.layers}-layer GPT (d_model {args.d_model}, ctx {args.ctx}, batch {args.batch}, "
+            f"{SHORT_NAME[args.dtype]})")
+    lines = [f"training steps of {what}, {args.steps} measured rounds",
              "overhead: total step time / total baseline step time - 1 (end to end; samplers that "
-             "verify in sweeps make single steps uneven, so this is the figure); median: over rounds "
-             "of step time / baseline step time - 1; reported: what the guard says it added "
-             "(StepReport.guard_seconds over the step time without it: interception calibrated by "
-             "replays, bookkeeping, verification, the replays themselves); calibrated: share of those "
+             "verify in sweeps make single steps uneven, so this is the figure), with its range over "
+             f"{SPREAD_BLOCKS} consecutive blocks of the rounds; median: over rounds of step time / "
+             "baseline step time - 1; cpu: the overhead in this thread's CPU time (steadier where other "
+             "processes share the cores; with one intra-op thread, the step's own work); reported: what the guard says it added (StepReport.guard_seconds "
+             "over the step time without it: interception calibrated by replays, bookkeeping, "
+             "verification, the replays themselves), over the same rounds and blocks; gap: reported - "
+             "overhead, in points, and its range over the blocks; calibrated: share of those "
              "reports whose interception was measured, not estimated (StepReport.overhead_calibrated); "
              "estimate: the same with interception at the per-op estimate, uncalibrated; "
              "replays: calibration replays among the measured steps (each about one more unguarded "
              "run of the step, in both overhead and reported); verify: verification alone", "",
-             table(["config", "step ms", "overhead", "median", "reported", "estimate", "calibrated", "replays",
-                    "verify", "verified/seen GEMMs", "sites", "max gap", f"coverage({args.window})"], body,
-                   align="lrrrrrrrrrrrr"), ""]
+             table(["config", "step ms", "overhead", "range", "median", "cpu", "reported", "range", "gap", "range",
+                    "estimate", "calibrated", "replays", "verify", "verified/seen GEMMs", "sites", "max gap",
+                    f"coverage({args.window})"], body, align="lrrrrrrrrrrrrrrrrr"), ""]
     by = {r["config"]: r for r in results}
     full = by["Full()"]
     alone_name, window_name = budget_names(args)
     alone, window = by[alone_name], by[window_name]
     targets = {
-        "full_le_20pct": {"measured": full["overhead_mean"], "target": TARGET_FULL,
-                          "met": full["overhead_mean"] <= TARGET_FULL},
+        "full_le_25pct": {"measured": full["overhead_mean"], "target": TARGET_FULL_EAGER,
+                          "met": full["overhead_mean"] <= TARGET_FULL_EAGER},
         "budget_holds": {"measured": alone["overhead_mean"], "target": args.budget,
                          "met": alone["overhead_mean"] <= args.budget},
         "budget_window_le_7pct": {"measured": window["overhead_mean"], "target": TARGET_BUDGET,
@@ -515,7 +609,7 @@ def _render(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[st
         return "MET" if targets[key]["met"] else "NOT MET"
 
     lines += ["targets:",
-              f"  Full() <= {pct(TARGET_FULL)} of the step: {pct(full['overhead_mean'])} -> {met('full_le_20pct')}",
+              f"  Full() <= {pct(TARGET_FULL_EAGER)} of the step: {pct(full['overhead_mean'])} -> {met('full_le_25pct')}",
               f"  {alone_name} <= {pct(args.budget)}: {pct(alone['overhead_mean'])} (its own account "
               f"{pct(alone['budget_achieved_overhead'])}) -> {met('budget_holds')}",
               f"  {window_name} <= {pct(TARGET_BUDGET)} (the window wins over the budget where a sweep costs more "
@@ -526,4 +620,10 @@ def _render(results: list[dict[str, Any]], args: argparse.Namespace) -> tuple[st
               f"  {SCREENED} (gradient screen, no GEMM verified unless it trips; no snapshots) <= "
               f"{pct(TARGET_SCREENED)}: {pct(screened['overhead_mean'])} ({screened['screen_trips']} trips, "
               f"{screened['screen_misses']} misses) -> {met('screened_le_1pct')}"]
+    gaps = {r["config"]: r["reported_gap"] for r in results if "reported_gap" in r}
+    worst = max(gaps, key=lambda name: abs(gaps[name]))
+    targets["reported_within_3pts"] = {"gaps": gaps, "target": TARGET_REPORTED_GAP,
+                                       "met": all(abs(g) <= TARGET_REPORTED_GAP for g in gaps.values())}
+    lines.append(f"  every guarded row's reported overhead within {100 * TARGET_REPORTED_GAP:.0f} points of the "
+                 f"measured one: largest gap {_points(gaps[worst])} ({worst}) -> {met('reported_within_3pts')}")
     return "\n".join(lines), targets
