@@ -57,13 +57,12 @@ def test_former_path_in_a_fresh_process() -> None:
     assert out.stdout.strip() == "sdc_guard.runtime.sampling"
 
 
-# --- the import graph of the package's sources (sdc_guard/, kernels/, integrations/), read
+# --- the import graph of the package's sources (sdc_guard/), read
 # with ast: every import statement, at module level or inside a function, except those under
 # ``if TYPE_CHECKING:`` (annotations only: never executed)
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = {"sdc_guard": ROOT / "sdc_guard", "sdc_guard.kernels": ROOT / "kernels",
-           "sdc_guard.integrations": ROOT / "integrations"}
+SOURCES = {"sdc_guard": ROOT / "sdc_guard"}
 #: the subpackages; a module directly under sdc_guard/ (metrics.py, ...) is its own unit
 #: compiled modules (no source here): importing one imports no source module
 EXTENSIONS = {"sdc_guard._vabft_cpu"}
@@ -76,8 +75,6 @@ def source_modules() -> dict[str, tuple[Path, bool]]:
     for pkg, folder in SOURCES.items():
         for path in folder.rglob("*.py"):
             parts = list(path.relative_to(folder).with_suffix("").parts)
-            if pkg == "sdc_guard" and parts[0] in ("kernels", "integrations"):
-                continue  # a stray copy: the installed ones come from the top-level folders
             is_pkg = parts[-1] == "__init__"
             mods[".".join([pkg, *(parts[:-1] if is_pkg else parts)])] = (path, is_pkg)
     return mods
@@ -246,3 +243,15 @@ def test_no_private_name_crosses_a_subpackage() -> None:
             if attr not in own and others:
                 bad.append(f"{name}:{line} uses {attr}, private to {others[0]}")
     assert not bad, "private names across subpackages: " + "; ".join(sorted(set(bad)))
+
+
+def test_the_repository_root_holds_one_importable_package() -> None:
+    """Code run from the root (``python -m pytest``, the examples) has the root on its path:
+    a folder there with an ``__init__.py`` shadows any installed distribution of that
+    name, and libraries probe optional packages by name (transformers 5.25 imports
+    ``kernels``, the Hugging Face kernel hub, when ``find_spec("kernels")`` finds one: a
+    top-level ``kernels/`` of ours broke every transformers import run from the root)."""
+    packages = sorted(p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert packages == ["sdc_guard"]
+    plain = sorted(p.stem for p in ROOT.glob("*.py"))
+    assert plain == ["setup"]

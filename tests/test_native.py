@@ -1,6 +1,6 @@
 """The native ``cpu`` backend (``sdc_guard.backends.native``, ``csrc/``) against the torch reference.
 
-Agreement is the Triton kernel's contract (``kernels/vabft_triton.py``): identical verdict
+Agreement is the Triton kernel's contract (``sdc_guard/kernels/vabft_triton.py``): identical verdict
 bits, T within ``THRESHOLD_RTOL`` relative, D within ``DIFF_TOL_OF_T * max(T, D)``. Then
 what only a native kernel can get wrong: batch invariance bit for bit, thread-count
 invariance, inputs left untouched, and the classification of non-finite values.
