@@ -1,4 +1,4 @@
-"""The collective checks on real gloo process groups (tests/collective_worker.py): the tiny GPT
+"""The collective checks on real gloo process groups (tests/support/collective_worker.py): the tiny GPT
 trained under DDP, FSDP2 and tensor parallelism at 2 and 4 ranks, in fp32 and bf16.
 
 Clean runs report no detection and check every collective of every step; each drill
@@ -14,13 +14,11 @@ runs, about 2 and 4 minutes).
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))  # the worker module, spawned by name
 
 import collective_worker as worker  # noqa: E402
 

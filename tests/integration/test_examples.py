@@ -4,13 +4,13 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.slow  # `pytest -m "not slow"` skips it: see CONTRIBUTING.md
 
-ROOT = Path(__file__).parent.parent
+from paths import ROOT  # noqa: E402
+
 EXAMPLES = ROOT / "examples"
 
 

@@ -20,7 +20,6 @@ import pytest
 import torch
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
 from respond_helpers import closure_for, make_model  # noqa: E402
@@ -30,7 +29,8 @@ from sdc_guard.respond.outcome import write_exit_report  # noqa: E402
 from sdc_guard.tools.cli import main  # noqa: E402
 from sdc_guard.tools.drain import kubernetes_commands, read_report, slurm_commands  # noqa: E402
 
-ROOT = Path(__file__).parent.parent
+from paths import ROOT, SUPPORT  # noqa: E402
+
 FLEET = ROOT / "examples" / "fleet"
 NODE = "gpu-a07"
 
@@ -219,7 +219,7 @@ def test_kubernetes_entrypoint_marks_the_node_and_keeps_the_exit_code(tmp_path: 
 @pytest.mark.slow  # a training process
 def test_nvrx_script_beats_through_replays_and_excludes_its_node(tmp_path: Path) -> None:
     log = tmp_path / "nvrx.jsonl"
-    env = _env(NVRX_STANDIN_LOG=str(log), PYTHONPATH=str(Path(__file__).parent / "nvrx_standin"))
+    env = _env(NVRX_STANDIN_LOG=str(log), PYTHONPATH=str(SUPPORT / "nvrx_standin"))
     proc = subprocess.run([sys.executable, str(FLEET / "nvrx_train.py"), "--drill", "sticky", "--steps", "10"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 17, proc.stdout + proc.stderr
@@ -237,7 +237,7 @@ def test_nvrx_script_beats_through_replays_and_excludes_its_node(tmp_path: Path)
 def test_nvrx_script_asks_nothing_of_the_launcher_for_a_16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 16 asks for an in-place restart, which is what ft_launcher does anyway."""
     monkeypatch.setenv("NVRX_STANDIN_LOG", str(tmp_path / "nvrx.jsonl"))
-    monkeypatch.syspath_prepend(str(Path(__file__).parent / "nvrx_standin"))
+    monkeypatch.syspath_prepend(str(SUPPORT / "nvrx_standin"))
     monkeypatch.syspath_prepend(str(FLEET))
     monkeypatch.setattr(sys, "argv", ["nvrx_train.py", "--drill", "transient", "--on-detection", "exit",
                                       "--steps", "8"])

@@ -9,14 +9,11 @@ misses are counted (``StepReport.screen_misses`` of ``segments``) and printed pe
 one ``[fp-corpus]`` line each (``pytest -s`` or ``-rP`` shows them), but not bounded here.
 """
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import transformers  # noqa: F401  (a test dependency: the dev extra installs it)
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
 import fp_models as fm  # noqa: E402

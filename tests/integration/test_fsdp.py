@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 import socket
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,6 @@ import torch.multiprocessing as mp
 
 from sdc_guard.runtime.cache import WeightCache, storage_address
 
-sys.path.insert(0, str(Path(__file__).parent))  # the worker module, spawned by name
 
 #: GEMMs of one training step of the 1-layer tiny GPT: 7 in the forward (qkv, q@k, att@v,
 #: proj, fc1, fc2, head), 14 in the backward; sharding changes where they run, not how many.

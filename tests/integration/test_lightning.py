@@ -15,14 +15,13 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities import rank_zero_only
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
 from lit_models import LitGPT  # noqa: E402
 from sdc_guard import GemmFault, Policy  # noqa: E402
 from sdc_guard.runtime.sampling import EveryN  # noqa: E402
 
-HERE = Path(__file__).parent
+from paths import SUPPORT  # noqa: E402
 
 
 def fit(module, callback, tmp_path, *, steps=8, faults=(), ckpt_path=None, **trainer_kwargs):
@@ -285,8 +284,8 @@ def test_metrics_endpoint_serves_while_training(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_ddp_two_processes_fault_on_one_rank(tmp_path: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, str(HERE / "lit_ddp_run.py"), str(tmp_path)], capture_output=True,
+    env = dict(os.environ, PYTHONPATH=str(SUPPORT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, str(SUPPORT / "lit_ddp_run.py"), str(tmp_path)], capture_output=True,
                           text=True, timeout=600, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]

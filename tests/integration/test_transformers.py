@@ -11,7 +11,6 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
 from hf_models import GEMMS_PER_STEP, Recorder, gpt2, params, train  # noqa: E402

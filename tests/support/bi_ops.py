@@ -1,4 +1,4 @@
-"""Ops for tests/test_bi.py that the command line loads by file path (``--op tests/bi_ops.py:NAME``).
+"""Ops for tests/unit/bi/test_bi.py that the command line loads by file path (``--op tests/support/bi_ops.py:NAME``).
 
 They live in a file, not in the test module, because ``torch.distributed.run`` workers
 are fresh processes that must import them.

@@ -1,4 +1,4 @@
-"""Small real models the tests train: an MLP and a GPT-style transformer."""
+"""Small real models the tests train: an MLP, a BatchNorm MLP and a GPT-style transformer."""
 
 from __future__ import annotations
 
@@ -108,3 +108,28 @@ def lm_batch(step: int, batch: int = 4, ctx: int = 16, vocab: int = 64) -> tuple
     noise = torch.rand(batch, ctx + 1, generator=gen) < 0.1
     seq[noise] = torch.randint(0, vocab, (int(noise.sum()),), generator=gen)
     return seq[:, :-1], seq[:, 1:]
+
+
+class BNNet(nn.Module):
+    """An MLP with BatchNorm and dropout: buffers and random draws in every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.drop = nn.Dropout(0.2)
+        self.fc2 = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.relu(self.bn(self.fc1(x)))))
+
+
+def bn_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s batch for BNNet: 8 rows of 16 features, 4 classes, seeded by the step."""
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def state_copy(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of the model's state dict (parameters and buffers), to compare runs."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

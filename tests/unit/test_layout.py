@@ -61,7 +61,8 @@ def test_former_path_in_a_fresh_process() -> None:
 # with ast: every import statement, at module level or inside a function, except those under
 # ``if TYPE_CHECKING:`` (annotations only: never executed)
 
-ROOT = Path(__file__).resolve().parent.parent
+from paths import ROOT  # noqa: E402
+
 SOURCES = {"sdc_guard": ROOT / "sdc_guard"}
 #: the subpackages; a module directly under sdc_guard/ (metrics.py, ...) is its own unit
 #: compiled modules (no source here): importing one imports no source module

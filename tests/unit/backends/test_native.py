@@ -27,8 +27,8 @@ from sdc_guard.runtime.cache import WeightCache
 from sdc_guard.backends import native_call
 from sdc_guard.backends.native_call import BufferWeightSide, weight_side_of
 
-sys.path.insert(0, str(Path(__file__).parent))
 from gemm_cases import randn, request  # noqa: E402
+from paths import SUPPORT  # noqa: E402
 
 THRESHOLD_RTOL = 1e-4
 DIFF_TOL_OF_T = 5e-2
@@ -574,7 +574,7 @@ def test_pthreads_fallback_same_bits(tmp_path: Path) -> None:
     script = tmp_path / "split.py"
     script.write_text(
         "import sys, torch\n"
-        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        f"sys.path.insert(0, {str(SUPPORT)!r})\n"
         "from gemm_cases import randn, request\n"
         "from sdc_guard.backends import native\n"
         "a, w = randn(300, 1024, seed=31), randn(700, 1024, seed=32)\n"

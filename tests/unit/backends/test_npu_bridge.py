@@ -13,13 +13,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 import npu_standin  # noqa: E402
 from sdc_guard.backends import native  # noqa: E402

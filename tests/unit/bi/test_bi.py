@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +17,9 @@ from sdc_guard.tools import cli
 from sdc_guard.bi.report import BIReport
 from sdc_guard.bi.suites import verify_suite
 
-ROOT = Path(__file__).resolve().parents[1]
-OPS = Path(__file__).resolve().parent / "bi_ops.py"
+from paths import ROOT, SUPPORT
+
+OPS = SUPPORT / "bi_ops.py"
 CELLS = [(8, 256, 64), (16, 512, 128)]
 FAST = dict(n_warmup=1, n_trials=2)
 

@@ -10,13 +10,10 @@ returns).
 """
 
 import contextlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
 from fp_models import GemmRecorder, causal_attention_t, softmax_grad_rows, verify_on  # noqa: E402

@@ -14,13 +14,10 @@ not enough.
 3. Softmax-gradient rows times column-shifted hidden states (the issue's reproducer).
 """
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
 from fp_models import causal_attention_t, correctly_rounded, softmax_grad_rows, verify_on  # noqa: E402

@@ -19,15 +19,12 @@ stand-in uses the bare formula, as the operator does.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 from vabft_reference import SEGMENT, ReferenceCheck, as_f64, reference_check, segments  # noqa: E402
 

@@ -11,7 +11,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.parse
@@ -24,7 +23,6 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
 from respond_helpers import closure_for, make_model  # noqa: E402

@@ -20,7 +20,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,7 +33,6 @@ from sdc_guard.kernels.vabft_triton import DIFF_TOL_OF_T, SMALL_M, THRESHOLD_RTO
 from sdc_guard.core.batching import collapse_batch
 from sdc_guard.kernels.vabft_weight import triton_weight_side
 
-sys.path.insert(0, str(Path(__file__).parent))
 from gemm_cases import randn, request  # noqa: E402
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +17,6 @@ import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 from sdc_guard import SnapshotStore, save_checkpoint  # noqa: E402
 from sdc_guard.respond.checkpoint_io import (  # noqa: E402

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
 from respond_helpers import closure_for, make_model, train  # noqa: E402
@@ -23,7 +22,8 @@ from sdc_guard import GemmFault, Policy  # noqa: E402
 from sdc_guard.respond.events import ENV_EVENTS, EventLog  # noqa: E402
 from sdc_guard.respond.exit_codes import EXIT_CODES, code_for, describe  # noqa: E402
 
-HERE = Path(__file__).parent
+from paths import SUPPORT  # noqa: E402
+
 IDENTITY = {"node", "hostname", "rank", "local_rank", "world_size", "device", "device_uuid", "device_id", "pid"}
 COMMON = {"version", "time", "event", "step", "site", "kind", "classification", "action"} | IDENTITY
 
@@ -252,7 +252,7 @@ def test_ddp_ranks_write_their_own_lines_and_rank_zero_names_the_device_to_drain
         env = os.environ | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "SDC_GUARD_NODE": f"node-{rank}",
                             ENV_EVENTS: str(events), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "events_worker.py"), str(tmp_path)], env=env,
+        procs.append(subprocess.Popen([sys.executable, str(SUPPORT / "events_worker.py"), str(tmp_path)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [17, 17], outputs

@@ -1,7 +1,6 @@
 """Re-execution is exact: buffers, user state, the random generators, a raising closure,
 and each guard accounting its own model's GEMMs."""
 
-import sys
 import threading
 from pathlib import Path
 
@@ -10,30 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).parent))
-
 import sdc_guard  # noqa: E402
-from models import TinyGPT, lm_batch  # noqa: E402
+from models import BNNet, TinyGPT, bn_batch, lm_batch, state_copy  # noqa: E402
 from sdc_guard import GemmFault, Policy  # noqa: E402
-
-
-class BNNet(nn.Module):
-    """An MLP with BatchNorm and dropout: buffers and random draws in every step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(16, 32)
-        self.bn = nn.BatchNorm1d(32)
-        self.drop = nn.Dropout(0.2)
-        self.fc2 = nn.Linear(32, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.drop(torch.relu(self.bn(self.fc1(x)))))
-
-
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
 
 
 def _train_bn(steps: int, faults: tuple = (), policy: Policy | None = None) -> tuple[BNNet, list]:
@@ -44,7 +22,7 @@ def _train_bn(steps: int, faults: tuple = (), policy: Policy | None = None) -> t
     drill = sdc_guard.drill(model, *faults)
     with drill, sdc_guard.protect(model, policy=policy) as guard:
         for step in range(steps):
-            x, y = _batch(step)
+            x, y = bn_batch(step)
 
             def closure() -> torch.Tensor:
                 opt.zero_grad(set_to_none=True)
@@ -56,16 +34,12 @@ def _train_bn(steps: int, faults: tuple = (), policy: Policy | None = None) -> t
     return model, outcomes
 
 
-def _state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def test_batchnorm_model_with_a_transient_fault_ends_bit_identical_to_a_clean_run() -> None:
     clean, _ = _train_bn(3)
     faulty, outcomes = _train_bn(3, faults=(GemmFault(site="fc1", phase="forward", step=1),))
     assert (outcomes[1].classification, outcomes[1].action) == ("transient", "recompute")
     assert int(faulty.bn.num_batches_tracked) == int(clean.bn.num_batches_tracked) == 3
-    a, b = _state(clean), _state(faulty)
+    a, b = state_copy(clean), state_copy(faulty)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # parameters and buffers
 
 
@@ -285,7 +259,7 @@ def test_lightning_batchnorm_model_with_a_transient_fault_ends_bit_identical(tmp
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
         def train_dataloader(self):
-            xs, ys = zip(*(_batch(i) for i in range(4)))
+            xs, ys = zip(*(bn_batch(i) for i in range(4)))
             return DataLoader(TensorDataset(torch.cat(xs), torch.cat(ys)), batch_size=8, shuffle=False)
 
     def fit(faults: tuple) -> tuple[LitBN, SDCGuard]:
@@ -303,5 +277,5 @@ def test_lightning_batchnorm_model_with_a_transient_fault_ends_bit_identical(tmp
     hit = [o for o in callback.guard.outcomes if o.classification is not None]
     assert [(o.step, o.classification, o.action) for o in hit] == [(1, "transient", "recompute")]
     assert int(faulty.net.bn.num_batches_tracked) == int(clean.net.bn.num_batches_tracked) == 3
-    a, b = _state(clean), _state(faulty)
+    a, b = state_copy(clean), state_copy(faulty)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

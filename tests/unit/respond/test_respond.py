@@ -14,13 +14,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
 from respond_helpers import closure_for, make_model, params_of, train  # noqa: E402
 from sdc_guard import GemmFault, Policy  # noqa: E402
 
-HERE = Path(__file__).parent
+from paths import SUPPORT  # noqa: E402
 
 
 def test_transient_fault_is_recomputed_and_training_is_bit_identical() -> None:
@@ -148,7 +147,7 @@ EXIT_SCRIPT = textwrap.dedent("""
 @pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_exit_response_exits_with_the_documented_code(tmp_path: Path, policy: str, code: int,
                                                       classification: str) -> None:
-    script = EXIT_SCRIPT.format(here=str(HERE), policy=policy, out=str(tmp_path))
+    script = EXIT_SCRIPT.format(here=str(SUPPORT), policy=policy, out=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == code, proc.stdout + proc.stderr
     assert "not reached" not in proc.stdout

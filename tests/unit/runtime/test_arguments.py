@@ -6,14 +6,12 @@ received. One row per argument and bad value; each row builds the call for real.
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
 from models import MLP  # noqa: E402

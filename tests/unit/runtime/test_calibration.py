@@ -2,8 +2,6 @@
 change nothing), unwatched steps that install nothing, and Budget charging what it
 measured. Structure only: no assertion on how long anything took."""
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,13 +10,12 @@ from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
 from sdc_guard import Policy  # noqa: E402
 from sdc_guard.runtime.calibration import Calibration, Pair, calibration_of  # noqa: E402
 from sdc_guard.runtime.sampling import Budget, EveryN, StepCosts  # noqa: E402
-from test_reexec import BNNet, _batch, _state  # noqa: E402
+from models import BNNet, bn_batch, state_copy  # noqa: E402
 
 
 def _train(steps: int, *, calibrate_every: int | None, sampler=None, policy: Policy | None = None,
@@ -32,7 +29,7 @@ def _train(steps: int, *, calibrate_every: int | None, sampler=None, policy: Pol
     outcomes, calls = [], []
     with sdc_guard.protect(model, sampler=sampler, policy=policy, calibrate_every=calibrate_every) as guard:
         for step in range(steps):
-            x, y = _batch(step)
+            x, y = bn_batch(step)
             calls.append(0)
 
             def closure() -> torch.Tensor:
@@ -83,7 +80,7 @@ def test_a_run_with_calibration_replays_ends_bit_identical_to_one_without() -> N
     without, opt_b, outcomes_b, calls_b = _train(6, calibrate_every=None)
     rng_b = torch.get_rng_state()
     assert sum(calls_a) == 6 + 5 and sum(calls_b) == 6  # every watched step but the first replayed
-    a, b = _state(with_replays), _state(without)
+    a, b = state_copy(with_replays), state_copy(without)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert int(with_replays.bn.num_batches_tracked) == 6
     for pa, pb in zip(with_replays.parameters(), without.parameters()):
@@ -110,7 +107,7 @@ def test_the_users_state_is_put_back_after_a_replay() -> None:
     calls = []
     with sdc_guard.protect(model, policy=policy, calibrate_every=1) as guard:
         for step in range(4):
-            x, y = _batch(step)
+            x, y = bn_batch(step)
 
             def closure() -> torch.Tensor:
                 calls.append(step)
@@ -161,7 +158,7 @@ def test_no_replay_under_a_fault_drill() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with sdc_guard.drill(model), sdc_guard.protect(model, calibrate_every=1) as guard:
         for step in range(4):
-            x, y = _batch(step)
+            x, y = bn_batch(step)
             report = guard.optimizer_step(opt, lambda: F.cross_entropy(model(x), y).backward()).report
             assert report.calibration_seconds == 0 and not report.overhead_calibrated
 
@@ -317,7 +314,7 @@ def test_a_sampler_begins_each_step_once_with_one_block_per_step(new_guard_each_
     sampler = _CountingBudget(0.05, warmup=1)
     guard = sdc_guard.protect(model, sampler=sampler)
     for step in range(6):
-        x, y = _batch(step)
+        x, y = bn_batch(step)
         if new_guard_each_step:
             guard = sdc_guard.protect(model, sampler=sampler)
         with guard:

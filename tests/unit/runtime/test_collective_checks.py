@@ -11,9 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import socket
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +19,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from prometheus_client import CollectorRegistry
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
 from models import TinyGPT, lm_batch  # noqa: E402

@@ -7,8 +7,6 @@ inductor receives, without C++ compilation); one compiles with inductor.
 from __future__ import annotations
 
 import contextlib
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +20,6 @@ from sdc_guard.runtime import function_mode, graph_checks
 from sdc_guard.runtime.inject import GemmFault, drill
 from sdc_guard.runtime.sampling import EveryN
 
-sys.path.insert(0, str(Path(__file__).parent))
 from gemm_count import compiled_gemms  # noqa: E402
 from models import MLP, TinyGPT, lm_batch  # noqa: E402
 

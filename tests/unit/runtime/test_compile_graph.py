@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import sys
-from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -27,9 +26,9 @@ from sdc_guard.runtime import graph_checks, graph_install
 from sdc_guard.runtime.inject import GemmFault, drill
 from sdc_guard.runtime.sampling import Stateless
 
-sys.path.insert(0, str(Path(__file__).parent))
 from gemm_count import compiled_gemms, fresh  # noqa: E402
 from models import MLP, TinyGPT, lm_batch  # noqa: E402
+from paths import SUPPORT  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
@@ -397,7 +396,7 @@ def test_a_persistent_fault_in_a_recomputed_gemm_ends_in_the_documented_exit(tmp
     import json
     import subprocess
 
-    script = EXIT_SCRIPT.format(here=str(Path(__file__).parent), out=str(tmp_path))
+    script = EXIT_SCRIPT.format(here=str(SUPPORT), out=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert proc.returncode == sdc_guard.EXIT_PERSISTENT, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "sdc_guard-exit.json").read_text())

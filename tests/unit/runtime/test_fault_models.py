@@ -2,13 +2,10 @@
 under ``protect()`` detects each where the GEMM screen can see it."""
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
 from respond_helpers import closure_for, make_model  # noqa: E402

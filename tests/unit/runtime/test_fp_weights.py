@@ -11,13 +11,10 @@ encoding hidden by the confirmation).
 """
 
 import inspect
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
 from respond_helpers import closure_for, make_model, params_of  # noqa: E402

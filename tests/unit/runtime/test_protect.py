@@ -2,8 +2,6 @@
 
 import contextlib
 import time
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +9,6 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
 from models import MLP, TinyGPT, lm_batch  # noqa: E402

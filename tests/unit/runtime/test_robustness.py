@@ -30,14 +30,14 @@ import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
 from respond_helpers import closure_for, make_model  # noqa: E402
 from sdc_guard import GemmFault, Policy, SnapshotStore  # noqa: E402
 from sdc_guard.respond.snapshot import CHECKPOINT_PATTERN, host_label, remove_stale_temporaries  # noqa: E402
 
-HERE = Path(__file__).parent
+from paths import SUPPORT  # noqa: E402
+
 NOBODY = 65534
 
 
@@ -55,7 +55,7 @@ def run_python(script: str, *args: str, user: int | None = None, env: dict | Non
     if user is not None and os.geteuid() == 0:
         command = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups",
                    "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search", *command]
-    full_env = {**os.environ, "PYTHONPATH": str(HERE), "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": str(SUPPORT), "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 

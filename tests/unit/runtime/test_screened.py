@@ -1,7 +1,6 @@
 """ASD mode: the gradient screen (``sampling.Screened``) and its verified re-execution."""
 
 import contextlib
-import sys
 from pathlib import Path
 
 import pytest
@@ -9,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from prometheus_client import CollectorRegistry
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
 from models import MLP  # noqa: E402
