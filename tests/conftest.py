@@ -73,5 +73,8 @@ def pytest_ignore_collect(collection_path, config: pytest.Config) -> bool | None
 @pytest.hookimpl(tryfirst=True)  # before -m deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     for item in items:
-        if item.path.name in SLOW_MODULES:
+        # ``corpus``: the long runs (real-model false-positive corpus, long training, most
+        # multi-process suites) that the README's command leaves to CI's own named step
+        # (``.ci/run``, ``-m corpus``); each is slow too, so the fast loop never runs one
+        if item.path.name in SLOW_MODULES or item.get_closest_marker("corpus"):
             item.add_marker(pytest.mark.slow)

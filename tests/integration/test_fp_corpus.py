@@ -19,7 +19,9 @@ import sdc_guard  # noqa: E402
 import fp_models as fm  # noqa: E402
 from sdc_guard.tools.toy_gpt import GPT, CharData, GPTConfig, make_corpus  # noqa: E402
 
-pytestmark = pytest.mark.slow  # `pytest -m "not slow"` skips it: see CONTRIBUTING.md
+#: long training runs: CI runs them as a step of their own (`-m corpus`), the README's command
+#: and the fast loop leave them out; `sdc-guard bench fp --models all` measures more of them
+pytestmark = [pytest.mark.slow, pytest.mark.corpus]
 
 _DATA: list[CharData] = []
 
