@@ -83,6 +83,7 @@ def _drills(kind: str, dtype: str, ops: list[str], receiver: int) -> list[tuple[
             for op in ops for corruption in ("zero", "flip", "stale")]
 
 
+@pytest.mark.corpus  # gloo processes, 15-45 s each (CONTRIBUTING.md)
 @pytest.mark.slow
 def test_ddp_two_ranks_drills_are_caught_transient_and_bit_identical(tmp_path: Path) -> None:
     jobs = [("ddp", "float32", "clean")] + _drills("ddp", "float32", ["all_reduce"], 1) + [
@@ -103,6 +104,7 @@ def test_ddp_two_ranks_drills_are_caught_transient_and_bit_identical(tmp_path: P
     assert [s[f"ddp/float32/exit:all_reduce:0:{FAULT_STEP}"]["exit_code"] for s in summaries] == [19, 19]
 
 
+@pytest.mark.corpus  # gloo processes, 15-45 s each (CONTRIBUTING.md)
 @pytest.mark.slow
 def test_fsdp2_two_ranks_all_gather_and_reduce_scatter_drills(tmp_path: Path) -> None:
     jobs = [("fsdp", "float32", "clean")] + _drills("fsdp", "float32", ["all_gather", "reduce_scatter"], 1) + [
@@ -127,6 +129,7 @@ def test_fsdp2_two_ranks_all_gather_and_reduce_scatter_drills(tmp_path: Path) ->
     assert sites <= {"blocks.0", "FSDPTinyGPT"} and sites
 
 
+@pytest.mark.corpus  # gloo processes, 15-45 s each (CONTRIBUTING.md)
 @pytest.mark.slow
 def test_tensor_parallel_two_ranks_dtensor_all_reduce_drills(tmp_path: Path) -> None:
     jobs = [("tp", "float32", "clean")] + _drills("tp", "float32", ["all_reduce"], 0)
@@ -139,6 +142,7 @@ def test_tensor_parallel_two_ranks_dtensor_all_reduce_drills(tmp_path: Path) -> 
     assert detection["site"] == "blocks.0.fc2"  # the row-parallel layer's output
 
 
+@pytest.mark.corpus  # gloo processes, 15-45 s each (CONTRIBUTING.md)
 @pytest.mark.slow
 def test_four_ranks_bf16_gradients_ddp_and_fsdp2(tmp_path: Path) -> None:
     jobs = [("ddp", "bfloat16", "clean"), ("ddp", "bfloat16", f"flip:all_reduce:2:{FAULT_STEP}"),
@@ -158,6 +162,7 @@ def test_four_ranks_bf16_gradients_ddp_and_fsdp2(tmp_path: Path) -> None:
                  "reduce_scatter", [1], 4)
 
 
+@pytest.mark.corpus  # gloo processes, 15-45 s each (CONTRIBUTING.md)
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_clean_runs_stay_clean(tmp_path: Path, world_size: int) -> None:

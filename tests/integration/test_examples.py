@@ -20,6 +20,7 @@ def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.corpus  # trains in a subprocess, 8-22 s (CONTRIBUTING.md)
 def test_demo_catches_both_faults_and_matches_the_clean_run() -> None:
     out = run("-m", "sdc_guard", "demo", "--port", "0").stdout
     assert "step 30   detected  model.blocks.0.attn.qkv (forward addmm)" in out
@@ -30,17 +31,20 @@ def test_demo_catches_both_faults_and_matches_the_clean_run() -> None:
     assert "final loss" in out and "clean reference run" in out
 
 
+@pytest.mark.corpus  # trains in a subprocess, 8-22 s (CONTRIBUTING.md)
 def test_demo_clean_run_has_no_detections() -> None:
     out = run("-m", "sdc_guard", "demo", "--no-faults", "--steps", "20", "--port", "0").stdout
     assert "detections           none" in out
     assert "loss through step 19: identical to the clean run" in out
 
 
+@pytest.mark.corpus  # trains in a subprocess, 8-22 s (CONTRIBUTING.md)
 def test_lightning_example() -> None:
     out = run(str(EXAMPLES / "lightning_gpt.py"), "--steps", "10", "--metrics-port", "0").stdout
     assert "GEMMs verified: 390, detections: 0" in out
 
 
+@pytest.mark.corpus  # trains in a subprocess, 8-22 s (CONTRIBUTING.md)
 def test_hf_trainer_example_recomputes_the_injected_fault() -> None:
     pytest.importorskip("transformers")
     out = run(str(EXAMPLES / "hf_trainer.py"), "--steps", "6", "--ctx", "32", "--batch", "4", "--fault-step", "3",
@@ -50,17 +54,20 @@ def test_hf_trainer_example_recomputes_the_injected_fault() -> None:
     assert "GEMMs verified: 273, detections: 1, log entries with sdc/*: 1" in out
 
 
+@pytest.mark.corpus  # trains in a subprocess, 8-22 s (CONTRIBUTING.md)
 def test_custom_loop_example_recomputes_the_injected_fault() -> None:
     out = run(str(EXAMPLES / "custom_loop.py"), "--steps", "8", "--fault-step", "5").stdout
     assert "step 5: corruption in blocks.0.fc1 (forward addmm) -> transient, recompute" in out
 
 
+@pytest.mark.corpus  # trains in a subprocess, 8-22 s (CONTRIBUTING.md)
 def test_inference_example_reports_overhead_and_cache_hits() -> None:
     out = run(str(EXAMPLES / "inference.py"), "--batches", "4", "--d-model", "64").stdout
     assert "GEMMs verified 100  flagged 0" in out  # 4 batches x (4 layers x 6 + head)
     assert "weight cache: " in out and " hits" in out and "verification overhead (warm)" in out
 
 
+@pytest.mark.corpus  # trains in a subprocess, 8-22 s (CONTRIBUTING.md)
 def test_ddp_example_responds_in_lockstep() -> None:
     out = run(str(EXAMPLES / "ddp_gloo.py")).stdout
     assert "rank 0 step 3: rank(s) [1] flagged -> transient, recompute" in out

@@ -120,6 +120,7 @@ def _env(**extra: str) -> dict[str, str]:
     return env | {"OMP_NUM_THREADS": "1"} | extra
 
 
+@pytest.mark.corpus  # guarded training runs under the recipe, 9-45 s (CONTRIBUTING.md)
 @pytest.mark.slow  # three runs of the script, a training process each
 def test_slurm_script_requeues_on_16_and_excludes_the_node_on_17(tmp_path: Path) -> None:
     def sbatch(*args: str) -> subprocess.CompletedProcess:
@@ -196,6 +197,7 @@ def test_kubernetes_manifest_maps_every_exit_code_and_marks_the_node() -> None:
                                      "job.batch/sdc-guard-return-to-service"]
 
 
+@pytest.mark.corpus  # guarded training runs under the recipe, 9-45 s (CONTRIBUTING.md)
 @pytest.mark.slow  # the entrypoint runs a training process
 def test_kubernetes_entrypoint_marks_the_node_and_keeps_the_exit_code(tmp_path: Path) -> None:
     script = tmp_path / "entrypoint.sh"
@@ -216,6 +218,7 @@ def test_kubernetes_entrypoint_marks_the_node_and_keeps_the_exit_code(tmp_path: 
 # --- nvidia-resiliency-ext -----------------------------------------------------------------------
 
 
+@pytest.mark.corpus  # guarded training runs under the recipe, 9-45 s (CONTRIBUTING.md)
 @pytest.mark.slow  # a training process
 def test_nvrx_script_beats_through_replays_and_excludes_its_node(tmp_path: Path) -> None:
     log = tmp_path / "nvrx.jsonl"

@@ -88,12 +88,14 @@ def _check(states: list, summaries: list, world_size: int, *, cached: bool, gemm
         assert not _same(ours["persistent"][2], ours["clean"][1])  # (a state that moved)
 
 
+@pytest.mark.corpus  # gloo processes, 10-30 s each (CONTRIBUTING.md)
 @pytest.mark.slow
 def test_fsdp2_two_ranks(tmp_path: Path) -> None:
     states, summaries = _spawn(tmp_path, "fsdp", 2, ("bare", "clean", "transient", "persistent"))
     _check(states, summaries, 2, cached=False)
 
 
+@pytest.mark.corpus  # gloo processes, 10-30 s each (CONTRIBUTING.md)
 @pytest.mark.slow
 def test_fsdp2_compiled_with_activation_checkpointing_two_ranks(tmp_path: Path) -> None:
     """torchtitan's stack: every block checkpointed and compiled, FSDP2 over them. Every
@@ -105,12 +107,14 @@ def test_fsdp2_compiled_with_activation_checkpointing_two_ranks(tmp_path: Path) 
     _check(states, summaries, 2, cached=False, gemms=GEMMS_PER_STEP_AC)
 
 
+@pytest.mark.corpus  # gloo processes, 10-30 s each (CONTRIBUTING.md)
 @pytest.mark.slow
 def test_fsdp2_four_ranks(tmp_path: Path) -> None:
     states, summaries = _spawn(tmp_path, "fsdp", 4, ("clean", "transient", "persistent"))
     _check(states, summaries, 4, cached=False)
 
 
+@pytest.mark.corpus  # gloo processes, 10-30 s each (CONTRIBUTING.md)
 @pytest.mark.slow
 def test_tensor_parallel_two_ranks(tmp_path: Path) -> None:
     states, summaries = _spawn(tmp_path, "tp", 2, ("bare", "clean", "transient", "persistent"))
@@ -166,12 +170,14 @@ def _check_checkpoints(tmp_path: Path, world_size: int) -> None:
         assert _same(mine["disk_last"], clean[2])
 
 
+@pytest.mark.corpus  # gloo processes, 10-30 s each (CONTRIBUTING.md)
 @pytest.mark.slow
 def test_fsdp2_sharded_checkpoints_two_ranks(tmp_path: Path) -> None:
     _spawn(tmp_path, "fsdp", 2, ("checkpoints",))
     _check_checkpoints(tmp_path, 2)
 
 
+@pytest.mark.corpus  # gloo processes, 10-30 s each (CONTRIBUTING.md)
 @pytest.mark.slow
 def test_tensor_parallel_sharded_checkpoints_two_ranks(tmp_path: Path) -> None:
     _spawn(tmp_path, "tp", 2, ("checkpoints",))

@@ -282,6 +282,7 @@ def test_metrics_endpoint_serves_while_training(tmp_path: Path) -> None:
     assert "sdc_guard_" in seen["body"]
 
 
+@pytest.mark.corpus  # two Trainer processes, about 20 s (CONTRIBUTING.md)
 @pytest.mark.slow
 def test_ddp_two_processes_fault_on_one_rank(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(SUPPORT) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -190,6 +190,7 @@ def test_screened_sampler_reexecutes_a_tripped_step_and_weights_match_the_clean_
     assert all(torch.equal(a, b) for a, b in zip(params(trainer.model), clean["final"]))
 
 
+@pytest.mark.corpus  # compiles a transformers Trainer run, about 18 s (CONTRIBUTING.md)
 def test_torch_compile_true_compiles_is_verified_and_leaves_no_trace(tmp_path: Path) -> None:
     """``TrainingArguments(torch_compile=True)`` under the callback: the model compiles (as
     many graphs as without the callback; before, dynamo compiled nothing under the guard),
