@@ -324,6 +324,7 @@ class QuietGPT(LitGPT):
         return self._loss(batch)
 
 
+@pytest.mark.corpus  # a compiled Trainer run, about 6 s (CONTRIBUTING.md)
 def test_compiled_lightning_module_compiles_is_verified_and_leaves_no_trace(tmp_path: Path) -> None:
     """``Trainer.fit(torch.compile(module))`` under ``SDCGuard``: the module compiles (as
     many graphs as without the callback; before, none), every GEMM is checked in its graphs

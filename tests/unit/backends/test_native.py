@@ -566,6 +566,7 @@ def test_kernels_borrow_torchs_openmp_pool() -> None:
     assert os.path.realpath(runtime) in {os.path.realpath(p) for p in loaded}, (runtime, loaded)
 
 
+@pytest.mark.corpus  # two subprocesses, about 10 s (CONTRIBUTING.md)
 @needs_native
 @pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_pthreads_fallback_same_bits(tmp_path: Path) -> None:

@@ -290,6 +290,7 @@ def _build_portable(tmp: Path) -> tuple[Path | None, str]:
     return tmp / "lib", ""
 
 
+@pytest.mark.corpus  # rebuilds the extension for each ISA, about 50 s (CONTRIBUTING.md)
 def test_isa_paths_match_portable_c(tmp_path: Path) -> None:
     from sdc_guard.backends import native
 

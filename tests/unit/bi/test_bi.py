@@ -233,6 +233,7 @@ def sdc_guard_bi(args: list[str], timeout: float) -> subprocess.CompletedProcess
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
+@pytest.mark.corpus  # gloo processes or the example's run, 17-31 s (CONTRIBUTING.md)
 @pytest.mark.slow
 def test_collective_world_sizes_2_and_4(tmp_path):
     path = tmp_path / "collective.json"
@@ -252,6 +253,7 @@ def test_collective_world_sizes_2_and_4(tmp_path):
     assert proc.returncode == (1 if report.counts["BI_FAIL"] else 0)
 
 
+@pytest.mark.corpus  # gloo processes or the example's run, 17-31 s (CONTRIBUTING.md)
 @pytest.mark.slow
 def test_collective_exception_on_one_rank_is_error_without_hanging(tmp_path):
     path = tmp_path / "raise.json"
@@ -267,6 +269,7 @@ def test_collective_exception_on_one_rank_is_error_without_hanging(tmp_path):
     assert "rank(s) [1] raised" in report.cells[0].variants[0].error  # seen by rank 0, agreed by all
 
 
+@pytest.mark.corpus  # gloo processes or the example's run, 17-31 s (CONTRIBUTING.md)
 @pytest.mark.slow
 def test_collective_hung_rank_is_killed_by_job_timeout(tmp_path):
     path = tmp_path / "hang.json"
@@ -282,6 +285,7 @@ def test_collective_hung_rank_is_killed_by_job_timeout(tmp_path):
     assert "timed out" in report.cells[0].note
 
 
+@pytest.mark.corpus  # gloo processes or the example's run, 17-31 s (CONTRIBUTING.md)
 @pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_example_script_reports_summary_line():
     script = ROOT / "examples" / "bi_check.py"

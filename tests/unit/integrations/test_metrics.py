@@ -425,6 +425,7 @@ class Prometheus:
             self.proc.wait()
 
 
+@pytest.mark.corpus  # a real Prometheus server and a training run, 7-11 s (CONTRIBUTING.md)
 @pytest.mark.slow
 def test_real_prometheus_scrapes_a_training_run_and_fires_the_sdc_alert(tmp_path: Path) -> None:
     binary = require("prometheus")
@@ -494,6 +495,7 @@ def test_real_prometheus_scrapes_a_training_run_and_fires_the_sdc_alert(tmp_path
         metrics.close()
 
 
+@pytest.mark.corpus  # a real Prometheus server and a training run, 7-11 s (CONTRIBUTING.md)
 @pytest.mark.slow
 def test_real_prometheus_names_the_suspect_device_across_a_restart(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:

@@ -239,6 +239,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.corpus  # two DDP processes, about 7 s (CONTRIBUTING.md)
 @pytest.mark.slow  # two processes, a gloo process group, a training run each
 def test_ddp_ranks_write_their_own_lines_and_rank_zero_names_the_device_to_drain(tmp_path: Path) -> None:
     """Two ranks as torchrun starts them (RANK, LOCAL_RANK, WORLD_SIZE), on two "nodes"

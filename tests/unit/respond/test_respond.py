@@ -234,6 +234,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.corpus  # gloo processes, 7-12 s (CONTRIBUTING.md)
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size, scenario", [(2, "transient"), (4, "sticky")])
 def test_distributed_lockstep(tmp_path: Path, world_size: int, scenario: str) -> None:
@@ -254,6 +255,7 @@ def test_distributed_lockstep(tmp_path: Path, world_size: int, scenario: str) ->
                 for o in flagged] == [(3, [world_size - 1], "persistent", "rollback", 2)]
 
 
+@pytest.mark.corpus  # gloo processes, 7-12 s (CONTRIBUTING.md)
 @pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_distributed_checkpoints_are_written_by_rank_zero_and_restored_everywhere(tmp_path: Path) -> None:
     import ddp_worker

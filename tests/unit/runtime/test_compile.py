@@ -289,6 +289,7 @@ def test_dispatch_route_runs_new_frames_eagerly_and_cached_code_compiled():
     assert {site for site, _, _ in guard._ledger.sites_seen} == {"_orig_mod.fc1", "_orig_mod.fc2"}
 
 
+@pytest.mark.corpus  # compiled training runs, 5-8 s (CONTRIBUTING.md)
 @pytest.mark.slow  # a whole model through torch.compile (10-30 s): see CONTRIBUTING.md
 def test_compiled_transformers_gpt2_with_a_fault_drill():
     from hf_models import gpt2
@@ -412,6 +413,7 @@ def test_graph_breaks_inside_a_compiled_model_are_checked_in_every_graph():
     check_broken_model("aot_eager")
 
 
+@pytest.mark.corpus  # compiled training runs, 5-8 s (CONTRIBUTING.md)
 @pytest.mark.slow  # inductor compiles C++ for every graph of the model (about a minute)
 def test_graph_breaks_inside_an_inductor_compiled_model_are_checked_in_every_graph():
     check_broken_model("inductor")
@@ -431,6 +433,7 @@ def _autocast_step(model: torch.nn.Module, loss_of, backend: str, guarded: bool)
     return loss.detach(), grads, guard.last_report if guarded else None
 
 
+@pytest.mark.corpus  # compiled training runs, 5-8 s (CONTRIBUTING.md)
 @pytest.mark.slow  # whole transformers models through torch.compile: see CONTRIBUTING.md
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_compiled_transformers_model_under_bf16_autocast_verifies_every_gemm(arch):
@@ -475,6 +478,7 @@ def test_inductor_keeps_the_check_ops_and_an_inductor_that_would_not_is_named(mo
         assert function_mode.warn_if_inductor_drops_checks.__wrapped__() is False
 
 
+@pytest.mark.corpus  # compiled training runs, 5-8 s (CONTRIBUTING.md)
 @pytest.mark.slow  # a whole model through torch.compile, guarded and not, two backends (about a minute)
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_gpt_trains_bit_identical_to_the_unguarded_compiled_gpt(backend):

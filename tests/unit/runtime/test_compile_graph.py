@@ -233,6 +233,7 @@ def test_compiled_code_is_verified_inside_and_leaves_no_trace(how):
     assert counters["frames"]["ok"] == ok + 1 and graph_checks.checks_run() == before
 
 
+@pytest.mark.corpus  # inductor training run, about 11 s (CONTRIBUTING.md)
 @pytest.mark.slow  # a model through torch.compile, guarded and not, two backends (about a minute)
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_guarded_checkpointed_gpt_trains_bit_identical_to_the_unguarded_compiled_one(backend):

@@ -184,6 +184,7 @@ KILL_WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.corpus  # processes killed mid-write, about 11 s (CONTRIBUTING.md)
 @pytest.mark.slow
 def test_writers_killed_mid_write_leave_no_torn_checkpoint_and_no_temporaries(tmp_path: Path) -> None:
     """Five writers killed with SIGKILL while writing: every checkpoint on disk is whole

@@ -58,6 +58,7 @@ def test_overhead(tmp_path: Path) -> None:
     assert isinstance(summary["targets"]["warm_mean_le_5pct"]["met"], bool)
 
 
+@pytest.mark.corpus  # bench runs, 6-13 s (CONTRIBUTING.md)
 @pytest.mark.slow  # a bench run over attention shapes (about 7 s): see CONTRIBUTING.md
 def test_overhead_attention(tmp_path: Path) -> None:
     """``--attention``: one row per (dtype, L, head dim), GQA accepted, ratios are the
@@ -403,6 +404,7 @@ def test_train_compiled(tmp_path: Path) -> None:
     assert all({"measured", "measured_cpu", "met", "met_cpu"} <= set(t) for t in report["targets"].values())
 
 
+@pytest.mark.corpus  # bench runs, 6-13 s (CONTRIBUTING.md)
 @pytest.mark.slow  # integration-heavy (two gloo processes per configuration): see CONTRIBUTING.md
 def test_collectives(tmp_path: Path) -> None:
     report = bench(tmp_path, "collectives", "--steps", "2", "--warmup", "0", "--d-model", "32", "--layers", "1",

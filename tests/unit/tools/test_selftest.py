@@ -34,6 +34,7 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
 
 
+@pytest.mark.corpus  # every backend against the references, about 7 s (CONTRIBUTING.md)
 @pytest.mark.slow  # a subprocess; the Triton interpreter
 def test_every_backend_found_agrees_with_the_exact_references() -> None:
     proc = subprocess.run([sys.executable, "-m", "sdc_guard", "selftest", "--shapes", "small", "--json"],
