@@ -75,8 +75,9 @@ def _prose(path: Path) -> str:
 
 
 def _resolve(name: str, base: Path) -> Path | None:
-    """A cited path: relative to the citing file's folder, the repository root or docs/."""
-    for folder in (base, ROOT, ROOT / "docs"):
+    """A cited path: relative to the citing file's folder, the repository root, docs/ or
+    benchmarks/ (a record is often named by its file name alone)."""
+    for folder in (base, ROOT, ROOT / "docs", ROOT / "benchmarks"):
         candidate = (folder / name).resolve()
         if candidate.exists():
             return candidate
