@@ -10,6 +10,7 @@ a file that was renamed, split or never committed sends a reader nowhere. Checke
   ``benchmarks/<record>.md``, a bare ``COMPILE.md``) exists;
 - every ``docs/<name>.md`` or ``<NAME>.md`` a .py / .c / .h file of the package, the
   tests, the examples or csrc/ cites (docstrings and comments) exists;
+- README, CONTRIBUTING and DESIGN give the layers in one order, in the same words;
 - no file in docs/ is longer than 400 lines (dated runs belong in benchmarks/, one record
   per run).
 
@@ -139,6 +140,20 @@ def test_every_doc_cited_in_code_exists() -> None:
     assert len(files) > 50  # the scan reaches the package, the tests and csrc/
     bad = {p.relative_to(ROOT).as_posix(): missing_code_citations(p) for p in files}
     assert not {k: v for k, v in bad.items() if v}
+
+
+def _layers_sentence(path: Path) -> str:
+    text = " ".join(path.read_text(encoding="utf-8").split())
+    m = re.search(r"The layers import downwards only: (.*?\))\.", text)
+    assert m, f"{path.name} does not give the layers' order"
+    return m.group(1)
+
+
+def test_one_order_of_the_layers() -> None:
+    """README, CONTRIBUTING and DESIGN give the layers in the same order, in the same words."""
+    said = {p: _layers_sentence(ROOT / p) for p in ("README.md", "CONTRIBUTING.md", "docs/DESIGN.md")}
+    assert len(set(said.values())) == 1, said
+    assert said["CONTRIBUTING.md"].startswith("`core/` <- `kernels/` <- `backends/` <- `respond/` <- `runtime/`")
 
 
 def test_no_doc_over_the_limit() -> None:
