@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from .attention import BACKWARD_OP, FORWARD_OP, function_call
-from .function_gemm import autocast_cast, autocast_dtype
+from .function_gemm import CHECKPOINTED_BACKWARD, autocast_cast, autocast_dtype, in_checkpoint_forward
 from .graph_checks import check_op, count_check, current_sink, run_drills, unverified
 
 NAME = "scaled_dot_product_attention"
@@ -198,10 +198,13 @@ def route_sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
                                "scale": values["scale"]}
     if gqa:
         options["enable_gqa"] = True
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if not grads or in_checkpoint_forward():  # no tap where a checkpoint recomputes (function_gemm)
         out = func(q, k, v, **options)
         torch.ops.sdc_guard.check_attention(q, k, v, mask, out, None, None, None, None, dropout, causal, scale, gqa,
                                             site)
+        if grads:
+            unverified(CHECKPOINTED_BACKWARD)
         return out
     shape = (*q.shape[:-1], v.shape[-1])
     roles = (0, 0 if k is q else 1, 0 if v is q else 1 if v is k else 2)

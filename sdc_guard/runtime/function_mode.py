@@ -41,7 +41,9 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from .function_attention import route_sdpa
-from .function_gemm import CheckedGemm, autocast_cast, autocast_dtype, linear_call, parameter_of, tapped
+from .function_gemm import (
+    CheckedGemm, autocast_cast, autocast_dtype, in_checkpoint_forward, linear_call, parameter_of, tapped,
+)
 from .graph_checks import (  # noqa: F401  (set_sink ... module_path: also importable from here)
     CheckSink, add_drill, checks_run, count_check, current_sink, inductor_keeps, keep_in_graph, module_path,
     remove_drill, run_drills, set_sink, unverified,
@@ -111,6 +113,8 @@ def _route_matmul(kind: str) -> Callable:
             return tapped(call, a, b, "batch", "bmm" if a.dim() > 2 else "mm", site, anchor=anchor)
         if kind != "matmul":  # shapes mm / bmm refuse: the call raises as called
             return call(a, b)
+        if in_checkpoint_forward() and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+            return _unrouted(call, (a, b), {}, kind)  # CheckedGemm would save what the recomputation does not
         if b.dim() == 1:  # a matrix or a batch times a vector
             return CheckedGemm.apply(a, b.unsqueeze(-1), site).squeeze(-1)
         if a.dim() == 1:  # a vector times a batch
