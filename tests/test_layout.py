@@ -255,3 +255,73 @@ def test_the_repository_root_holds_one_importable_package() -> None:
     assert packages == ["sdc_guard"]
     plain = sorted(p.stem for p in ROOT.glob("*.py"))
     assert plain == ["setup"]
+
+
+# --- each object owns its state: ``x._name`` is read or written only by the class that
+# defines ``_name`` (on ``self``, ``cls`` or another instance of that class)
+
+def _class_private_attributes(tree: ast.AST) -> dict[str, set[str]]:
+    """Class name -> the private attributes its body defines: methods, class-level names,
+    and ``self._x = ...`` / ``cls._x = ...`` assignments in its methods."""
+    out: dict[str, set[str]] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        names = out.setdefault(node.name, set())
+        for item in node.body:
+            if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(item.name)
+            elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                names.add(item.target.id)
+            elif isinstance(item, ast.Assign):
+                names.update(t.id for t in item.targets if isinstance(t, ast.Name))
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store) \
+                    and isinstance(sub.value, ast.Name) and sub.value.id in ("self", "cls"):
+                names.add(sub.attr)
+    return {cls: {n for n in names if _private(n)} for cls, names in out.items()}
+
+
+def foreign_private_accesses(trees: dict[str, ast.AST]) -> list[str]:
+    """``x._name`` (read or written) where ``x`` is not ``self`` / ``cls`` and no class
+    enclosing the access defines ``_name``, for the ``_name``s a class of the package
+    defines: another object's private state. Names no class of ours defines (torch's
+    ``Tensor._version``, ``OpOverload._schema``, a module's private function) are not
+    the package's objects' state and are left to other checks."""
+    owned: dict[str, set[str]] = {}
+    for tree in trees.values():
+        for cls, names in _class_private_attributes(tree).items():
+            owned.setdefault(cls, set()).update(names)
+    ours = set().union(*owned.values())
+    bad = []
+
+    def visit(node: ast.AST, module: str, enclosing: tuple[str, ...]) -> None:
+        if isinstance(node, ast.ClassDef):
+            enclosing = (*enclosing, node.name)
+        if isinstance(node, ast.Attribute) and node.attr in ours and not (
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")) \
+                and not any(node.attr in owned.get(cls, ()) for cls in enclosing) \
+                and not ast.unparse(node.value).startswith("torch"):
+            bad.append(f"{module}:{node.lineno} {ast.unparse(node)}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, module, enclosing)
+
+    for module, tree in trees.items():
+        visit(tree, module, ())
+    return bad
+
+
+def test_private_state_finder_can_fail() -> None:
+    code = ("class A:\n    def __init__(self):\n        self._x = 1\n    def same(self, other):\n"
+            "        return other._x\n"
+            "class B:\n    def poke(self, a):\n        a._x = 2\n        return a._y\n"
+            "def f(a):\n    return a._x, a._version\n")
+    assert foreign_private_accesses({"m": ast.parse(code)}) == ["m:8 a._x", "m:11 a._x"]
+
+
+def test_no_object_touches_another_objects_private_state() -> None:
+    """Across the whole package (not only across subpackages): what one object needs of
+    another is a public method or property of it (``Guard.attempt``, ``Guard.pause``...)."""
+    trees = {name: ast.parse(path.read_text(), str(path)) for name, (path, _) in source_modules().items()}
+    bad = foreign_private_accesses(trees)
+    assert not bad, "private state touched from outside its class: " + "; ".join(bad)

@@ -159,7 +159,7 @@ class CheckIntake:
         guards = active_guards()
         if not guards or guards[0] is not self:
             return not guards  # no guard registered on this thread: an autograd worker
-        return not any(g._sites.inside() for g in guards[1:])
+        return not any(g.site_tracker.inside() for g in guards[1:])
 
     def _on_gemm(self, gemm: Gemm, module: str | None = None, phase: str | None = None) -> None:
         # Every GEMM of a watched step comes here, right after its kernel has left the
