@@ -21,6 +21,7 @@ FORMER = {
     "sdc_guard.legacy": "sdc_guard.core.legacy",
     "sdc_guard.toy_gpt": "sdc_guard.tools.toy_gpt",
     "sdc_guard.core.verify": "sdc_guard.verify",
+    "sdc_guard.runtime.report": "sdc_guard.report",
 }
 
 

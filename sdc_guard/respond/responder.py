@@ -23,7 +23,7 @@ from .snapshot import SnapshotStore
 
 if TYPE_CHECKING:
     from ..runtime.guard import Guard
-    from ..runtime.report import StepReport
+    from ..report import StepReport
     from .policy import Policy
 
 log = logging.getLogger("sdc_guard")

@@ -37,7 +37,7 @@ from .intercept import SiteTracker, current_phase, module_hook_seconds, round_tr
 from ..core.precision import check_screen
 from .ledger import StepLedger
 from .module_names import ModuleNames
-from .report import StepReport
+from ..report import StepReport
 from ..respond.events import resolve_events
 from ..respond.outcome import StepOutcome
 from ..respond.policy import Policy

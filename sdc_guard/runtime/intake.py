@@ -24,9 +24,9 @@ from .attention import AttentionCall, verify as verify_attention
 from .cache import WeightCache, storage_address, storage_addresses
 from .checker import Checker, verifiable
 from .intercept import GLOBAL_SITE, Gemm, SiteTracker, current_phase
-from .report import dtype_name
+from ..report import dtype_name
 from .ledger import Pending, StepLedger
-from .report import KindKey
+from ..report import KindKey
 from .sampling import Sampler, SiteKey
 
 if TYPE_CHECKING:
