@@ -59,8 +59,10 @@ def test_former_path_in_a_fresh_process() -> None:
 
 
 # --- the import graph of the package's sources (sdc_guard/), read
-# with ast: every import statement, at module level or inside a function, except those under
-# ``if TYPE_CHECKING:`` (annotations only: never executed)
+# with ast: every import statement, at module level or inside a function; those under
+# ``if TYPE_CHECKING:`` (annotations only: never executed) count between subpackages (a
+# layer names no type of a layer above it either) and are left out between the modules
+# of one subpackage (a module's type hints may name the class that owns it)
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = {"sdc_guard": ROOT / "sdc_guard"}
@@ -81,22 +83,25 @@ def source_modules() -> dict[str, tuple[Path, bool]]:
     return mods
 
 
-def _executed_imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+def _executed_imports(tree: ast.AST, type_checking: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The import statements of ``tree``; those under ``if TYPE_CHECKING:`` only with
+    ``type_checking``."""
     for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) and not type_checking:
             for child in node.orelse:
                 yield from _executed_imports(ast.Module(body=[child], type_ignores=[]))
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        yield from _executed_imports(node)
+        yield from _executed_imports(node, type_checking)
 
 
-def imports_of(name: str, path: Path, is_pkg: bool) -> list[tuple[str, str | None, int]]:
-    """(module imported, name taken from it or ``None``, line) for each import in ``path``;
-    ``from pkg import sub`` of a submodule counts as importing ``pkg.sub``."""
+def imports_of(name: str, path: Path, is_pkg: bool, type_checking: bool = False) -> list[tuple[str, str | None, int]]:
+    """(module imported, name taken from it or ``None``, line) for each import in ``path``
+    (with ``type_checking``, those under ``if TYPE_CHECKING:`` too); ``from pkg import
+    sub`` of a submodule counts as importing ``pkg.sub``."""
     out = []
-    for node in _executed_imports(ast.parse(path.read_text(), str(path))):
+    for node in _executed_imports(ast.parse(path.read_text(), str(path)), type_checking):
         if isinstance(node, ast.Import):
             out += [(alias.name, None, node.lineno) for alias in node.names]
             continue
@@ -114,13 +119,14 @@ def unit(module: str) -> str:
     return ".".join(parts[:2]) if len(parts) > 1 and parts[1] in UNITS else module
 
 
-def import_graph() -> dict[str, dict[str, int]]:
-    """Module -> {source module it imports: first line}."""
+def import_graph(type_checking: bool = False) -> dict[str, dict[str, int]]:
+    """Module -> {source module it imports: first line} (``type_checking``: counting the
+    imports under ``if TYPE_CHECKING:``)."""
     mods = source_modules()
     graph: dict[str, dict[str, int]] = {}
     for name, (path, is_pkg) in mods.items():
         edges = graph.setdefault(name, {})
-        for target, taken, line in imports_of(name, path, is_pkg):
+        for target, taken, line in imports_of(name, path, is_pkg, type_checking):
             full = f"{target}.{taken}" if taken else target
             if full in EXTENSIONS:
                 continue
@@ -172,6 +178,7 @@ def test_cycle_finder_finds_a_function_level_cycle() -> None:
     code = "def f():\n    from .b import g\nif TYPE_CHECKING:\n    from .c import h\n"
     tree = ast.parse(code)
     assert [node.module for node in _executed_imports(tree)] == ["b"]
+    assert [node.module for node in _executed_imports(tree, type_checking=True)] == ["b", "c"]
 
 
 def test_no_import_cycle_between_modules() -> None:
@@ -182,11 +189,12 @@ def test_no_import_cycle_between_modules() -> None:
 
 
 def test_no_import_cycle_between_subpackages() -> None:
-    """The layers: core <- kernels <- backends <- runtime <- respond ... (no subpackage
-    imports one that imports it back). The package's ``__init__`` (the public facade, which
-    imports every layer) is left out."""
+    """The layers: core <- kernels <- backends <- respond <- runtime ... (no subpackage
+    imports one that imports it back), counting every import, those under ``if
+    TYPE_CHECKING:`` too: the response side names no type of the guard's. The package's
+    ``__init__`` (the public facade, which imports every layer) is left out."""
     graph: dict[str, dict[str, int]] = {}
-    for a, edges in import_graph().items():
+    for a, edges in import_graph(type_checking=True).items():
         for b, line in edges.items():
             if "sdc_guard" not in (a, b) and unit(a) != unit(b):
                 graph.setdefault(unit(a), {}).setdefault(unit(b), line)

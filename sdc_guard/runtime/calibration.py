@@ -210,7 +210,7 @@ def synchronize(model: nn.Module) -> None:
 
 class Replays:
     """The guard's side of calibration replays (``Guard.replays``, which
-    ``optimizer_step``'s responder drives: ``due``, then ``run_bare`` with the step's
+    ``optimizer_step``'s driver, ``runtime/guarded_step.py``, drives: ``due``, then ``run_bare`` with the step's
     closure, the state put back (``charge`` its time), then ``run_guarded``):
     interception switched off and on again, and the timings and counts of the two runs,
     kept in the open step's ledger."""

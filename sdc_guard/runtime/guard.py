@@ -41,7 +41,6 @@ from ..report import StepReport
 from ..respond.events import resolve_events
 from ..respond.outcome import StepOutcome
 from ..respond.policy import Policy
-from ..respond.responder import Responder
 from .sampling import Full, GradientScreen, Sampler, sampler_screens, sampler_watches
 from ..respond.snapshot import SnapshotStore
 from .stats import ScreenStats
@@ -50,6 +49,7 @@ from .collective_checks import CollectiveChecks
 from .warn_once import warnings_of
 from .checks import MetricsSink, check_backend, check_guard_arguments, check_metrics_sink, current_rank  # noqa: F401  (also importable here)
 from .optimizer_steps import OptimizerSteps
+from .guarded_step import GuardedStep
 from .schedule import current_step, set_current_step  # noqa: F401  (also importable here)
 from .schedule import carry_over, note_block_end, note_sampler_begun, sampler_begun, steps_end_blocks, take_carried
 
@@ -122,7 +122,7 @@ class Guard(CheckIntake):
         #: structured events (``respond/events.py``): ``events``, else ``$SDC_GUARD_EVENTS``
         self.events = resolve_events(events, next((p.device for p in model.parameters()), None))
         self.outcomes: deque[StepOutcome] = deque(maxlen=history)
-        self._responder: Responder | None = None
+        self._driver: GuardedStep | None = None  #: drives ``optimizer_step`` (runtime/guarded_step.py)
         self._attempt = 0
         self.sampler: Sampler = sampler if sampler is not None else Full()
         self.e_max = e_max
@@ -148,7 +148,7 @@ class Guard(CheckIntake):
         self._gradient_screen: GradientScreen | None = None  #: the open step's, for its report
         self._provisional = False  #: the open step was opened in advance (``begin_step``)
         self._screen_tried = False  #: optimizer_step screened (or tried to) the open step
-        #: calibration replays, driven by ``optimizer_step``'s responder: interception's
+        #: calibration replays, driven by ``optimizer_step`` (``GuardedStep``): interception's
         #: real cost, measured (``sdc_guard.runtime.calibration``)
         self.replays = Replays(self, calibrate_every)
         #: check the step's collectives (``runtime/collective_checks.py``), where they can be
@@ -226,7 +226,7 @@ class Guard(CheckIntake):
         self._ledger.hook_seconds += time.perf_counter() - started
 
     def charge(self, seconds: float) -> None:
-        """Count ``seconds`` of guard work done outside its hooks (the responder's
+        """Count ``seconds`` of guard work done outside its hooks (``optimizer_step``'s
         bookkeeping, re-encoding updated weights, snapshots) in the guard's cost: to the
         open step, or, between steps, to the next one's report."""
         if self._step_open:
@@ -236,7 +236,7 @@ class Guard(CheckIntake):
 
     @contextlib.contextmanager
     def unintercepted(self) -> Iterator[None]:
-        """The guard's own work (the responder capturing and restoring a step's state):
+        """The guard's own work (``optimizer_step`` capturing and restoring a step's state):
         no dispatch mode sees its ops, so they are neither counted as the model's nor
         charged twice."""
         if torch._C._len_torch_dispatch_stack() == 0:
@@ -362,10 +362,10 @@ class Guard(CheckIntake):
         if replay_started is not None and (isinstance(replay_started, bool) or not isinstance(replay_started, (int, float))):
             raise TypeError(f"replay_started: expected a time.perf_counter() value or None, "
                             f"got {type(replay_started).__name__} {replay_started!r}")
-        if self._responder is None or self._responder.optimizer is not optimizer:
-            self._responder = Responder(self, optimizer, self.policy, self.snapshots, step_fn)
-            self.snapshots = self._responder.snapshots
-        return self._responder.run(closure, replay=replay, loss=loss, replay_started=replay_started)
+        if self._driver is None or self._driver.optimizer is not optimizer:
+            self._driver = GuardedStep(self, optimizer, self.policy, self.snapshots, step_fn)
+            self.snapshots = self._driver.snapshots
+        return self._driver.run(closure, replay=replay, loss=loss, replay_started=replay_started)
 
     def on_collective(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Called by the dispatch mode for every collective (``ops.Route.COLLECTIVE``): run
@@ -583,8 +583,8 @@ class Guard(CheckIntake):
     def publish(self, method: str, item: Any) -> None:
         """Hand a report or outcome to the metrics sink and the event log (``method``:
         ``"observe_report"`` or ``"observe_outcome"``); a failure there warns once per sink in total, across
-        the per-step ``protect()`` blocks that share it. Public because the responder
-        (``respond/policy.py``) publishes the step's outcome."""
+        the per-step ``protect()`` blocks that share it. Public because ``optimizer_step``'s
+        driver (``runtime/guarded_step.py``) publishes the step's outcome."""
         for sink in (self.metrics, self.events):  # the event log warns for its own target
             if sink is None:
                 continue
