@@ -152,7 +152,7 @@ class CollectiveChecks:
         every module)."""
         module = fsdp_module()
         if module is not None:
-            path = self._names.of_module(module)
+            path = self._names.of_module_id(id(module))
             return (type(self._names.model).__name__ if not path else path) if path is not None else "global", True
         if call.op == "all_reduce" and phase == "backward" and not call.functional:
             self._buckets += 1
