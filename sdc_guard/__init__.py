@@ -13,7 +13,7 @@ from .core import legacy
 from .runtime import sampling
 from .core.comp_row import decode_comp_row, encode_comp_row
 from .runtime.guard import Guard, protect
-from .runtime.report import Detection, StepReport
+from .report import Detection, StepReport
 from .runtime.inject import GemmFault, drill, flip_parameter_bit
 from .runtime.collective_faults import CollectiveFault
 from .respond.policy import (
@@ -44,6 +44,7 @@ _FORMER_PATHS = {
     "legacy": "core.legacy",
     "toy_gpt": "tools.toy_gpt",
     "core.verify": "verify",
+    "runtime.report": "report",
 }
 
 

@@ -27,7 +27,7 @@ from sdc_guard.runtime.schedule import current_step, set_current_step
 from sdc_guard.metrics import GuardMetrics
 from sdc_guard.respond.policy import Policy, SDCError, SDCExit, StepOutcome
 from sdc_guard.core.precision import check_e_max
-from sdc_guard.runtime.report import StepReport
+from sdc_guard.report import StepReport
 from sdc_guard.runtime.sampling import Full, Sampler, check_sampler
 from sdc_guard.respond.snapshot import SnapshotStore, check_checkpoint_dir
 

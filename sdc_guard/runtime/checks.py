@@ -25,7 +25,7 @@ from .sampling import check_sampler
 
 if TYPE_CHECKING:
     from ..respond.outcome import StepOutcome
-    from .report import StepReport
+    from ..report import StepReport
 
 
 class MetricsSink(Protocol):

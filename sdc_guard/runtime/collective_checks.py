@@ -47,7 +47,7 @@ from ..core.collective import (
 from .collective_ops import OPS, Collective, Pending, describe, is_wait, run_then
 from .intercept import SiteTracker
 from .module_names import ModuleNames
-from .report import Detection, StepReport
+from ..report import Detection, StepReport
 from .sampler_base import sampler_shared
 from ..respond.distributed import is_distributed
 

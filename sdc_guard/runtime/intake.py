@@ -24,9 +24,9 @@ from .attention import AttentionCall, verify as verify_attention
 from .cache import WeightCache, storage_address, storage_addresses
 from .checker import Checker, verifiable
 from .intercept import GLOBAL_SITE, Gemm, SiteTracker, current_phase
-from .report import dtype_name
+from ..report import dtype_name
 from .ledger import Pending, StepLedger
-from .report import KindKey
+from ..report import KindKey
 from .sampling import Sampler, SiteKey
 
 if TYPE_CHECKING:
@@ -159,7 +159,7 @@ class CheckIntake:
         guards = active_guards()
         if not guards or guards[0] is not self:
             return not guards  # no guard registered on this thread: an autograd worker
-        return not any(g._sites.inside() for g in guards[1:])
+        return not any(g.site_tracker.inside() for g in guards[1:])
 
     def _on_gemm(self, gemm: Gemm, module: str | None = None, phase: str | None = None) -> None:
         # Every GEMM of a watched step comes here, right after its kernel has left the

@@ -124,6 +124,11 @@ class Interception:
         if self.function_mode is not None:
             self.function_mode.compiled = True
 
+    @property
+    def pending_ops(self) -> int:
+        """The ops the dispatch mode has counted and not yet handed over (``take_ops``)."""
+        return self.mode.ops if self.mode is not None else 0
+
     def take_ops(self) -> int:
         """The ops the dispatch mode counted so far (the count starts again)."""
         if self.mode is None:
