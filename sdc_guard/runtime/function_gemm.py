@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..core.torch_private import DisableTorchFunction
 from .graph_checks import check_op, count_check, current_sink, resolve_site, run_drills
 from .ops import Gemm
 
@@ -58,7 +59,7 @@ def check_gemm(x: Tensor, y: Tensor, out: Tensor, bias: Optional[Tensor], alpha:
     none of them (a drill may corrupt ``out`` first, as a faulty unit would). ``site``
     empty: not known at trace time (eager frames); ``anchor``: the GEMM's parameter
     operand, whose module is the site at run time (``graph_checks.resolve_site``)."""
-    with torch._C.DisableTorchFunction():  # verification's own ops are not the model's
+    with DisableTorchFunction():  # verification's own ops are not the model's
         site = resolve_site(site, anchor)
         run_drills(op, out, site, phase)
         sink = current_sink()

@@ -120,7 +120,8 @@ def keep_in_graph(op: Any) -> None:
         if register is not None:
             register(target)
         else:
-            torch.fx.node._side_effectful_functions.add(target)
+            from ..core.torch_private import side_effectful_functions
+            side_effectful_functions.add(target)
 
 
 #: the library of sdc_guard's check ops (``check_op``)
@@ -156,7 +157,7 @@ def inductor_keeps(op: Any) -> bool | None:
     try:
         from types import SimpleNamespace
 
-        from torch._inductor.ir import FallbackKernel
+        from ..core.torch_private import FallbackKernel
         return bool(FallbackKernel.has_side_effects(SimpleNamespace(op_overload=op.default)))  # type: ignore[arg-type]
     except Exception:
         return None

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import _disable_current_modes
+from ..core.torch_private import disable_current_modes as _disable_current_modes, dispatch_stack_depth
 
 from .calibration import DEFAULT_EVERY, Replays
 from .cache import WeightCache, persistent_parameters
@@ -206,7 +206,7 @@ class Guard(CheckIntake):
         """The guard's own work (the responder capturing and restoring a step's state):
         no dispatch mode sees its ops, so they are neither counted as the model's nor
         charged twice."""
-        if torch._C._len_torch_dispatch_stack() == 0:
+        if dispatch_stack_depth() == 0:
             yield
         else:
             with _disable_current_modes():

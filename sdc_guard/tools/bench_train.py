@@ -46,7 +46,7 @@ import time
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from ..core.torch_private import TorchDispatchMode
 
 from .bench_common import (
     SHORT_NAME, Outcome, Progress, argtype, busy_warning, load_average, machine, parse_dtypes, pct,
