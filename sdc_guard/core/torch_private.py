@@ -32,6 +32,8 @@ TESTED_TORCH: tuple[str, ...] = ("2.13.0",)
 #: base of the dispatch modes that see every GEMM (``__torch_dispatch__``); the public
 #: class of a private module, which PyTorch's own subclasses and docs use
 TorchDispatchMode = _python_dispatch.TorchDispatchMode
+#: a dispatch mode that only runs each op (what a mode's Python round trip costs)
+BaseTorchDispatchMode = _python_dispatch.BaseTorchDispatchMode
 #: switch off every dispatch mode on the thread while the guard runs its own ops
 disable_current_modes = _python_dispatch._disable_current_modes
 #: the innermost dispatch mode (whether the guard's mode is the thread's only one)
@@ -120,7 +122,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "TESTED_TORCH", "TorchDispatchMode", "disable_current_modes", "get_current_dispatch_mode",
+    "TESTED_TORCH", "TorchDispatchMode", "BaseTorchDispatchMode", "disable_current_modes", "get_current_dispatch_mode",
     "get_current_dispatch_mode_stack", "get_current_function_mode", "get_current_function_mode_stack",
     "dispatch_stack_depth", "DisableTorchFunction", "DispatchKey", "dispatch_has_kernel_for_dispatch_key",
     "dispatch_keys", "dispatch_keyset_full_after", "HigherOrderOperator", "OpOverload", "FAKE_TENSOR_MODULE",

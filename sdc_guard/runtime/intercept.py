@@ -26,7 +26,7 @@ from torch import Tensor
 from torch import nn
 from torch.compiler import is_compiling
 from ..core.torch_private import (
-    TorchDispatchMode, disable_current_modes, DisableTorchFunction, current_graph_task_id,
+    BaseTorchDispatchMode, disable_current_modes, DisableTorchFunction, current_graph_task_id,
     current_autograd_node,
 )
 
@@ -202,11 +202,6 @@ class SiteTracker:
         return site
 
 
-class _EmptyMode(TorchDispatchMode):
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        return func(*args, **(kwargs or {}))
-
-
 _round_trip: list[float] = []
 
 
@@ -237,7 +232,7 @@ def _measure_round_trip() -> float:
         return times[len(times) // 2]
 
     bare = median_call()
-    with _EmptyMode():
+    with BaseTorchDispatchMode():  # torch's mode that only runs each op
         moded = median_call()
     return max(0.0, moded - bare)
 
@@ -276,7 +271,9 @@ def module_hook_seconds() -> float:
 
 
 class GemmSink(Protocol):
-    """What the mode reports to (the ``Guard``)."""
+    """What an interception route reports each call to: the ``Guard``'s intake
+    (``runtime/intake.py``, ``CheckIntake``). The dispatch mode needs these four; the
+    compiled route's check ops need a little more (``graph_checks.CheckSink``)."""
 
     def on_gemm(self, gemm: Gemm) -> None: ...
     def on_attention(self, call: AttentionCall) -> None: ...

@@ -46,7 +46,7 @@ import time
 from typing import Any
 
 import torch
-from ..core.torch_private import TorchDispatchMode
+from ..core.torch_private import BaseTorchDispatchMode
 
 from .bench_common import (
     SHORT_NAME, Outcome, Progress, argtype, busy_warning, load_average, machine, parse_dtypes, pct,
@@ -127,13 +127,10 @@ class Never(Stateless):
         return "Never()"
 
 
-class EmptyMode(TorchDispatchMode):
-    """A dispatch mode that only runs each op: what PyTorch's Python dispatch alone costs
-    any interception built on a mode, before a line of sdc-guard runs (the floor under
-    "intercept only")."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        return func(*args, **(kwargs or {}))
+#: A dispatch mode that only runs each op (torch's own): what PyTorch's Python dispatch
+#: alone costs any interception built on a mode, before a line of sdc-guard runs (the
+#: floor under "intercept only").
+EmptyMode = BaseTorchDispatchMode
 
 
 class RecordingSampler:
