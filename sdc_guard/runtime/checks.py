@@ -1,5 +1,5 @@
 """Argument checks ``protect()`` and the integrations share: a metrics sink, a forced
-backend, and where this process sits in a process group.
+backend, a guard's per-run arguments (its settings: ``runtime/config.py``).
 
 Bad input gets a clear error at the call that received it, naming the argument, what was
 expected and what was received.
@@ -79,12 +79,6 @@ def check_backend(backend: Any, model: nn.Module | None = None, name: str = "bac
         if reason is not None:
             raise ValueError(f"{source}: expected a backend that can verify the model's GEMMs ({dtype} on {device}), "
                              f"got {value!r}, which cannot: {reason}")
-
-
-def current_rank() -> int:
-    """This process's rank in the default process group (0 outside one)."""
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def check_guard_arguments(model: Any, *, backend: Any, rank: Any, snapshots: Any, metrics: Any) -> None:

@@ -47,7 +47,8 @@ from .checker import Checker
 from .collective_checks import CollectiveChecks
 from .warn_once import warnings_of
 from .config import GuardConfig
-from .checks import MetricsSink, check_backend, check_guard_arguments, check_metrics_sink, current_rank  # noqa: F401  (also importable here)
+from .checks import MetricsSink, check_backend, check_guard_arguments, check_metrics_sink  # noqa: F401  (also importable here)
+from ..respond.distributed import rank as current_rank  # noqa: F401  (also importable here)
 from .optimizer_steps import OptimizerSteps
 from .schedule import current_step, set_current_step  # noqa: F401  (also importable here)
 from .schedule import carry_over, note_block_end, note_sampler_begun, sampler_begun, steps_end_blocks, take_carried
