@@ -27,16 +27,17 @@ from torch import Tensor
 
 from .attention import AttentionCall
 from .module_names import ModuleNames, run_time_site
+from .intercept import GemmSink
 from .ops import Gemm
 
 
-class CheckSink(Protocol):
-    """What the check ops report to (the ``Guard`` of this thread)."""
+class CheckSink(GemmSink, Protocol):
+    """What the check ops report to (the ``Guard`` of this thread): the dispatch mode's
+    ``GemmSink``, one concept, with the site and phase a graph node already knows, the
+    time spent outside the intake, and the module paths of the compiled graphs' sites."""
 
     def on_gemm(self, gemm: Gemm, site: str | None = None, phase: str | None = None) -> None: ...
     def on_attention(self, call: AttentionCall, site: str | None = None, phase: str | None = None) -> None: ...
-    def on_unverified(self, op: str) -> None: ...
-    def on_write(self, tensors: list[Tensor]) -> None: ...
     def charge(self, seconds: float) -> None: ...
     @property
     def module_names(self) -> ModuleNames: ...
