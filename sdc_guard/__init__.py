@@ -12,6 +12,7 @@ from . import backends
 from .core import legacy
 from .runtime import sampling
 from .core.comp_row import decode_comp_row, encode_comp_row
+from .runtime.config import GuardConfig
 from .runtime.guard import Guard, protect
 from .report import Detection, StepReport
 from .runtime.inject import GemmFault, drill, flip_parameter_bit
@@ -90,6 +91,7 @@ __all__ = [
     "save_checkpoint",
     "Detection",
     "Guard",
+    "GuardConfig",
     "StepReport",
     "protect",
     "sampling",

@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.utils._python_dispatch import _disable_current_modes
+from ..core.torch_private import disable_current_modes
 
 from ..core.collective import (
     bit_checksums, exchange_layout_digest, pairs_bits, reduction_flags, segment_sizes, segment_sums, segments,
@@ -223,7 +223,7 @@ class CollectiveChecks:
         ``c10d`` ops). Never raises: a failure leaves the record unchecked."""
         started = time.perf_counter()
         try:
-            with _disable_current_modes():
+            with disable_current_modes():
                 flat = result.reshape(-1)
                 if record.call.op == "all_gather":
                     record.received = bit_checksums(flat, record.wide, rows=record.call.group_size)
@@ -260,7 +260,7 @@ class CollectiveChecks:
         self._unchecked = {}
         self.enabled = False  # a collective after the step closed (the responder's) is not the step's
         if records:
-            with _disable_current_modes():
+            with disable_current_modes():
                 self._finish(records)
                 by_group: dict[str, list[Record]] = {}
                 for r in records:

@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from ..core.torch_private import DisableTorchFunction
 from .attention import BACKWARD_OP, FORWARD_OP, function_call
 from .function_gemm import CHECKPOINTED_BACKWARD, autocast_cast, autocast_dtype, in_checkpoint_forward
 from .graph_checks import check_op, count_check, current_sink, run_drills, unverified
@@ -63,7 +64,7 @@ def check_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out
     ``grad_out``) the backward's ``dq``, ``dk``, ``dv``. Reads its
     tensors, writes none of them (a drill may corrupt ``out`` or a gradient first, as a
     faulty unit would). ``site`` empty: not known at trace time (eager frames)."""
-    with torch._C.DisableTorchFunction():  # verification's own ops are not the model's
+    with DisableTorchFunction():  # verification's own ops are not the model's
         backward = grad_out is not None and dq is not None and dk is not None and dv is not None
         op, phase = (BACKWARD_OP, "backward") if backward else (FORWARD_OP, "forward")
         grads = (dq, dk, dv) if backward else None

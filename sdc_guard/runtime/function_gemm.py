@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..core.torch_private import DisableTorchFunction, top_saved_tensors_default_hooks
 from .graph_checks import check_op, count_check, current_sink, resolve_site, run_drills, unverified
 from .ops import Gemm
 
@@ -58,7 +59,7 @@ def check_gemm(x: Tensor, y: Tensor, out: Tensor, bias: Optional[Tensor], alpha:
     none of them (a drill may corrupt ``out`` first, as a faulty unit would). ``site``
     empty: not known at trace time (eager frames); ``anchor``: the GEMM's parameter
     operand, whose module is the site at run time (``graph_checks.resolve_site``)."""
-    with torch._C.DisableTorchFunction():  # verification's own ops are not the model's
+    with DisableTorchFunction():  # verification's own ops are not the model's
         site = resolve_site(site, anchor)
         run_drills(op, out, site, phase)
         sink = current_sink()
@@ -124,9 +125,8 @@ def in_checkpoint_forward() -> bool:
     starts in the handler of ``Tensor.backward``): a tap there would save tensors the
     recomputation does not, which the checkpoint refuses (``CheckpointError``). Such a GEMM
     is checked in the forward without a tap, and its backward is counted. Reads a private
-    autograd API (torch 2.13); without it, ``False``."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    hooks = top(False) if top is not None else None
+    autograd API (``core/torch_private.py``)."""
+    hooks = top_saved_tensors_default_hooks(False)
     return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook.")
 
 

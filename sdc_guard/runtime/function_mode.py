@@ -249,8 +249,7 @@ def _eager_when_called_eagerly(code: Any) -> bool:
     inlines the handler into that frame's graph. Private dynamo API (torch 2.6 on); returns
     whether it was there."""
     try:
-        from torch._C._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
+        from ..core.torch_private import FrameAction, FrameExecStrategy, set_code_exec_strategy
         set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
     except (ImportError, AttributeError, TypeError):
         return False
@@ -276,8 +275,8 @@ def warn_if_inductor_drops_checks() -> bool | None:
 
 def function_mode_active() -> bool:
     """Whether a ``GemmFunctionMode`` is on this thread's function-mode stack."""
-    from torch.overrides import _get_current_function_mode_stack
-    return any(isinstance(m, GemmFunctionMode) for m in _get_current_function_mode_stack())
+    from ..core.torch_private import get_current_function_mode_stack
+    return any(isinstance(m, GemmFunctionMode) for m in get_current_function_mode_stack())
 
 
 def is_compiled(model: torch.nn.Module) -> bool:
@@ -286,7 +285,7 @@ def is_compiled(model: torch.nn.Module) -> bool:
     then ``protect()`` takes the compiled route from the start."""
     if model in _ran_compiled:
         return True
-    from torch._dynamo.eval_frame import OptimizedModule
+    from ..core.torch_private import OptimizedModule
     return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
                for m in model.modules())
 

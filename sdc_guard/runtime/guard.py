@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import _disable_current_modes
+from ..core.torch_private import disable_current_modes as _disable_current_modes, dispatch_stack_depth
 
 from .calibration import DEFAULT_EVERY, Replays
 from .cache import WeightCache, persistent_parameters
@@ -34,7 +34,6 @@ from .function_mode import is_compiled, note_compiled
 from .intake import CheckIntake, active_guards
 from .interception import Interception
 from .intercept import SiteTracker, current_phase, module_hook_seconds, round_trip_seconds
-from ..core.precision import check_screen
 from .ledger import StepLedger
 from .module_names import ModuleNames
 from ..report import StepReport
@@ -47,7 +46,9 @@ from .stats import ScreenStats
 from .checker import Checker
 from .collective_checks import CollectiveChecks
 from .warn_once import warnings_of
-from .checks import MetricsSink, check_backend, check_guard_arguments, check_metrics_sink, current_rank  # noqa: F401  (also importable here)
+from .config import GuardConfig
+from .checks import MetricsSink, check_backend, check_guard_arguments, check_metrics_sink  # noqa: F401  (also importable here)
+from ..respond.distributed import rank as current_rank  # noqa: F401  (also importable here)
 from .optimizer_steps import OptimizerSteps
 from .guarded_step import GuardedStep
 from .schedule import current_step, set_current_step  # noqa: F401  (also importable here)
@@ -85,28 +86,19 @@ class Guard(CheckIntake):
     def __init__(
         self,
         model: nn.Module,
+        config: GuardConfig | None = None,
         *,
-        sampler: Sampler | None = None,
-        e_max: float | None = None,
-        backend: str | None = None,
-        history: int = 100,
-        cache_bytes: int = 512 << 20,
         rank: int | None = None,
-        policy: Policy | None = None,
         snapshots: SnapshotStore | None = None,
         metrics: MetricsSink | None = None,
-        stats: bool = False,
-        screen: str = "default",
-        compiled: bool | None = None,
-        calibrate_every: int | None = DEFAULT_EVERY,
-        events: Any = None,
-        collectives: bool = True,
+        **options: Any,
     ) -> None:
-        check_guard_arguments(model, sampler=sampler, e_max=e_max, backend=backend, history=history,
-                              cache_bytes=cache_bytes, rank=rank, policy=policy, snapshots=snapshots,
-                              metrics=metrics, stats=stats, compiled=compiled, calibrate_every=calibrate_every,
-                              collectives=collectives)
-        self.screen = check_screen(screen)
+        """``config``, or its fields as keyword arguments ``options`` (``GuardConfig.of``);
+        ``rank``: this process's (default: its rank in the default process group)."""
+        self.config = config = GuardConfig.of(config, **options)
+        check_guard_arguments(model, backend=config.backend, rank=rank, snapshots=snapshots, metrics=metrics)
+        sampler, e_max, backend, compiled = config.sampler, config.e_max, config.backend, config.compiled
+        self.screen = config.screen
         #: the compiled route (docs/COMPILE.md): checks put into the compiled graphs, the
         #: eager frames through the function mode's taps; else the dispatch mode. ``None``
         #: (the default) starts on the dispatch route for a model that is not compiled and
@@ -114,21 +106,21 @@ class Guard(CheckIntake):
         self.compiled = compiled if compiled is not None else is_compiled(model)
         self._compiled_arg = compiled
         #: per-site screen D/T statistics (``protect(stats=True)``), else ``None``
-        self.screen_stats: ScreenStats | None = ScreenStats() if stats else None
+        self.screen_stats: ScreenStats | None = ScreenStats() if config.stats else None
         self.model = model
-        self.policy = policy if policy is not None else Policy()
+        self.policy = config.policy if config.policy is not None else Policy()
         self.snapshots = snapshots
         self.metrics = metrics
         #: structured events (``respond/events.py``): ``events``, else ``$SDC_GUARD_EVENTS``
-        self.events = resolve_events(events, next((p.device for p in model.parameters()), None))
-        self.outcomes: deque[StepOutcome] = deque(maxlen=history)
+        self.events = resolve_events(config.events, next((p.device for p in model.parameters()), None))
+        self.outcomes: deque[StepOutcome] = deque(maxlen=config.history)
         self._driver: GuardedStep | None = None  #: drives ``optimizer_step`` (runtime/guarded_step.py)
         self._attempt = 0
         self.sampler: Sampler = sampler if sampler is not None else Full()
         self.e_max = e_max
         self.backend = backend
-        self.cache = WeightCache(cache_bytes)
-        self.reports: deque[StepReport] = deque(maxlen=history)
+        self.cache = WeightCache(config.cache_bytes)
+        self.reports: deque[StepReport] = deque(maxlen=config.history)
         self.rank = rank if rank is not None else current_rank()
         self._sites = SiteTracker(model)
         #: module paths by module and parameter, for the compiled route's sites
@@ -150,9 +142,9 @@ class Guard(CheckIntake):
         self._screen_tried = False  #: optimizer_step screened (or tried to) the open step
         #: calibration replays, driven by ``optimizer_step`` (``GuardedStep``): interception's
         #: real cost, measured (``sdc_guard.runtime.calibration``)
-        self.replays = Replays(self, calibrate_every)
+        self.replays = Replays(self, config.calibrate_every)
         #: check the step's collectives (``runtime/collective_checks.py``), where they can be
-        self.collectives = collectives
+        self.collectives = config.collectives
         self.collective_checks = CollectiveChecks(self._sites, self.module_names, self._warn_once)
 
     # --- step lifecycle ------------------------------------------------------------------
@@ -239,7 +231,7 @@ class Guard(CheckIntake):
         """The guard's own work (``optimizer_step`` capturing and restoring a step's state):
         no dispatch mode sees its ops, so they are neither counted as the model's nor
         charged twice."""
-        if torch._C._len_torch_dispatch_stack() == 0:
+        if dispatch_stack_depth() == 0:
             yield
         else:
             with _disable_current_modes():
@@ -626,6 +618,7 @@ def protect(
     calibrate_every: int | None = DEFAULT_EVERY,
     events: Any = None,
     collectives: bool = True,
+    config: GuardConfig | None = None,
 ) -> Guard:
     """Verify the GEMMs ``model`` runs inside the block, forward and backward.
 
@@ -663,7 +656,9 @@ def protect(
     ``collectives`` (default True): with ``torch.distributed`` initialised, check the
     all-reduces, all-gathers and reduce-scatters of each watched step, what each rank
     received against what was sent (docs/DISTRIBUTED.md, "Collectives"; on the dispatch
-    route, with a sampler that watches the same steps on every rank).
+    route, with a sampler that watches the same steps on every rank);
+    ``config``: these settings (all but ``model``, ``metrics`` and ``snapshots``) as one
+    ``sdc_guard.GuardConfig``, instead of their keywords (``sdc_guard.runtime.config``).
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     >>> with protect(model) as guard:
@@ -671,7 +666,8 @@ def protect(
     >>> r = guard.last_report; (r.seen, r.verified, r.flagged)
     (5, 5, 0)
     """
-    return Guard(model, sampler=sampler, e_max=e_max, backend=backend, history=history,
-                 cache_bytes=cache_bytes, policy=policy, snapshots=snapshots, metrics=metrics, stats=stats,
-                 screen=screen, compiled=compiled, calibrate_every=calibrate_every, events=events,
-                 collectives=collectives)
+    return Guard(model, GuardConfig.of(config, sampler=sampler, e_max=e_max, backend=backend, policy=policy,
+                                       history=history, cache_bytes=cache_bytes, stats=stats, screen=screen,
+                                       compiled=compiled, calibrate_every=calibrate_every, events=events,
+                                       collectives=collectives),
+                 snapshots=snapshots, metrics=metrics)
