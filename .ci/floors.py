@@ -15,8 +15,8 @@ SKIP = {"torch"}
 project = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
 requirements = project["dependencies"] + [r for extra in EXTRAS for r in project["optional-dependencies"][extra]]
 for requirement in requirements:
-    match = re.fullmatch(r"([A-Za-z0-9_.\-]+)\s*>=\s*([0-9][A-Za-z0-9.]*)", requirement.strip())
+    match = re.fullmatch(r"([A-Za-z0-9_.\-]+)\s*>=\s*([0-9][A-Za-z0-9.]*)(?:\s*,\s*<\s*[0-9][A-Za-z0-9.]*)?", requirement.strip())
     if match is None:
-        sys.exit(f".ci/floors.py: cannot read a floor from {requirement!r} (expected 'name>=version')")
+        sys.exit(f".ci/floors.py: cannot read a floor from {requirement!r} (expected 'name>=version' or 'name>=version,<ceiling')")
     if match.group(1).lower() not in SKIP:
         print(f"{match.group(1)}=={match.group(2)}")

@@ -1,5 +1,5 @@
 /*
- * vabft_cpu.h: the "cpu" backend of sdc_guard, V-ABFT (shared/docs/VABFT.md) in plain C;
+ * vabft_cpu.h: the "cpu" backend of sdc_guard, V-ABFT (docs/ALGORITHM.md) in plain C;
  * what its files share: dtype codes, the segment width, the two kernels' contexts and
  * the functions one file calls in another (prefixed vabft_).
  *

@@ -12,8 +12,9 @@ from . import backends
 from .core import legacy
 from .runtime import sampling
 from .core.comp_row import decode_comp_row, encode_comp_row
+from .runtime.config import GuardConfig
 from .runtime.guard import Guard, protect
-from .runtime.report import Detection, StepReport
+from .report import Detection, StepReport
 from .runtime.inject import GemmFault, drill, flip_parameter_bit
 from .runtime.collective_faults import CollectiveFault
 from .respond.policy import (
@@ -44,6 +45,7 @@ _FORMER_PATHS = {
     "legacy": "core.legacy",
     "toy_gpt": "tools.toy_gpt",
     "core.verify": "verify",
+    "runtime.report": "report",
 }
 
 
@@ -89,6 +91,7 @@ __all__ = [
     "save_checkpoint",
     "Detection",
     "Guard",
+    "GuardConfig",
     "StepReport",
     "protect",
     "sampling",

@@ -104,10 +104,10 @@ import torch
 
 from .respond import distributed
 from .respond.identity import local_identity
-from .runtime.report import StepReport
+from .report import StepReport
 from .respond.policy import ACTIONS, CLASSIFICATIONS, StepOutcome
 from .runtime.collective_ops import OPS as COLLECTIVE_OPS
-from .runtime.report import Detection
+from .report import Detection
 
 #: Port of ``serve()`` for local rank 0; local rank ``r`` gets ``DEFAULT_PORT + r``.
 DEFAULT_PORT = 9464

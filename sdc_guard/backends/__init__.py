@@ -1,6 +1,7 @@
 """Backend registry and dispatch: one entry point, the best implementation per call.
 
-Order of preference (VABFT.md, issue "Foundation"): the Ascend operator where it exists,
+Order of preference (docs/ALGORITHM.md, opening and "The NPU operator"): the Ascend operator
+where it exists,
 the fused Triton kernel on CUDA, the native C kernels on CPU (when built), portable
 PyTorch everywhere. Each backend says whether
 this process can use it (``unavailable_reason``) and whether it accepts a given call

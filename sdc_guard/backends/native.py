@@ -1,4 +1,4 @@
-"""The ``cpu`` backend: V-ABFT (VABFT.md) in one native call per verification.
+"""The ``cpu`` backend: V-ABFT (docs/ALGORITHM.md) in one native call per verification.
 
 Why: the portable torch path (``abft.vabft_check``) costs 30-40 torch ops per check, each
 a few microseconds plus a fork / join of the intra-op threads, and reads the operands in

@@ -141,7 +141,8 @@ class WeightSide:
         """``n_s * element_floor(K, C's dtype)`` (fp64) per C dtype, filled on first use."""
         return {}
 
-    def _floor(self, c_dtype: torch.dtype) -> Tensor:
+    def floor(self, c_dtype: torch.dtype) -> Tensor:
+        """The threshold's floor term for C's dtype (``threshold64`` adds it), per segment."""
         floor = self._floors.get(c_dtype)
         if floor is None:
             floor = self._floors[c_dtype] = self.widths.double() * element_floor(self.k, c_dtype)
@@ -307,7 +308,7 @@ def threshold64(mu: Tensor, hi: Tensor, lo: Tensor, rabs: Tensor, ws: WeightSide
     sd = extrema_variance64(mu, hi, lo).sqrt()
     t = _bracket(mu, sd, ws).mul_(abs(alpha) * effective_e_max(e_max, ws.k))
     t.add_(rabs.double(), alpha=a_round)
-    t.add_(ws._floor(c_dtype))
+    t.add_(ws.floor(c_dtype))
     if bias_abs is not None:
         t.add_(bias_abs.double(), alpha=bias_rounding(c_dtype))
     if c_abs or c_sq or c_coh:

@@ -4,7 +4,8 @@ Kept for side-by-side benchmarks and as the batch-invariance harness's negative 
 its threshold comes from C itself (a corrupted C moves its own threshold) and its one
 branch for the whole matrix depends on every row, so a row's verdict can change when
 other rows change. The original re-ran the matmul into ``c`` in place ("self-heal");
-this copy never mutates a caller's tensor and reports the flags only (VABFT.md).
+this copy never mutates a caller's tensor and reports the flags only (docs/ALGORITHM.md,
+"Output contract: comp_row").
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Floating-point facts V-ABFT needs per dtype, and the default ``e_max`` table.
 
 Why a module of its own: the same ``e_max`` must mean the same thing on every backend
-(VABFT.md), so the constants that turn ``e_max`` into a threshold live in one place that
+(docs/ALGORITHM.md, "Threshold of the screen"), so the constants that turn ``e_max`` into a
+threshold live in one place that
 the torch backend, the NPU bridge and the Triton kernel all read.
 """
 

@@ -108,11 +108,6 @@ def _extrema32(t: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     return t.amax(dim).float(), t.amin(dim).float()
 
 
-def _extrema_variance(mu: Tensor, hi: Tensor, lo: Tensor) -> Tensor:
-    """Bhatia-Davis bound ``|(max - mu)(mu - min)|``: never below the true variance."""
-    return ((hi - mu) * (mu - lo)).abs()
-
-
 def _weighted(x: Tensor, checksum_weight: Tensor | None) -> Tensor:
     """``r[n] * x[..., n]`` in fp32, or ``x`` itself for the all-ones weight (no copy)."""
     if checksum_weight is None:

@@ -13,6 +13,7 @@ Nothing here imports a training framework.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 from typing import Any, Callable
@@ -20,14 +21,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from sdc_guard.runtime.calibration import DEFAULT_EVERY as DEFAULT_CALIBRATE_EVERY, check_calibrate_every
-from sdc_guard.runtime.checks import check_backend
+from sdc_guard.runtime.calibration import DEFAULT_EVERY as DEFAULT_CALIBRATE_EVERY  # noqa: F401  (importable here)
+from sdc_guard.runtime.config import GuardConfig
 from sdc_guard.runtime.guard import Guard
 from sdc_guard.runtime.schedule import current_step, set_current_step
 from sdc_guard.metrics import GuardMetrics
 from sdc_guard.respond.policy import Policy, SDCError, SDCExit, StepOutcome
-from sdc_guard.core.precision import check_e_max
-from sdc_guard.runtime.report import StepReport
+from sdc_guard.report import StepReport
 from sdc_guard.runtime.sampling import Full, Sampler, check_sampler
 from sdc_guard.respond.snapshot import SnapshotStore, check_checkpoint_dir
 
@@ -120,29 +120,28 @@ class GuardedTraining:
             what interception really costs (``protect``'s argument of that name;
             default 100, about 1 % of those steps' time; ``None``: never, and
             ``sdc/overhead`` stays an estimate, a lower bound).
+        history, cache_bytes, stats, screen, compiled, events, collectives: as
+            ``protect()`` takes them.
+        config: all of ``protect()``'s settings (``sampler`` to ``collectives``) as one
+            ``sdc_guard.GuardConfig``, instead of their keywords.
     """
 
     def __init__(
         self,
         *,
-        sampler: Sampler | None = None,
-        policy: Policy | None = None,
+        config: GuardConfig | None = None,
         snapshot_every: int = 50,
         checkpoint_dir: str | None = None,
-        e_max: float | None = None,
-        backend: str | None = None,
         verify_validation: bool = False,
         metrics_port: int | None = DEFAULT_METRICS_PORT,
         metrics_address: str = "127.0.0.1",
         pushgateway: str | None = None,
         log_every_n_steps: int | None = None,
-        calibrate_every: int | None = DEFAULT_CALIBRATE_EVERY,
+        **options: Any,
     ) -> None:
-        check_calibrate_every(calibrate_every)
-        if sampler is not None:
-            check_sampler(sampler, stateful=True)  # its state goes into the framework's checkpoints
-        if policy is not None and not isinstance(policy, Policy):
-            raise TypeError(f"policy: expected a sdc_guard.Policy or None, got {type(policy).__name__} {policy!r}")
+        config = GuardConfig.of(config, **options)
+        if config.sampler is not None:
+            check_sampler(config.sampler, stateful=True)  # its state goes into the framework's checkpoints
         if metrics_port is not None and (isinstance(metrics_port, bool) or not isinstance(metrics_port, int)
                                          or not 0 <= metrics_port < 65536):
             raise ValueError(f"metrics_port: expected an int in 0..65535 or None, got {metrics_port!r}")
@@ -153,9 +152,6 @@ class GuardedTraining:
             raise ValueError(f"log_every_n_steps: expected a positive int or None, got {log_every_n_steps!r}")
         if checkpoint_dir is not None:
             check_checkpoint_dir(checkpoint_dir)
-        if e_max is not None:
-            check_e_max(e_max)
-        check_backend(backend)  # the model's devices are checked again when the guard starts
         if not isinstance(verify_validation, bool):
             raise TypeError(f"verify_validation: expected a bool, got {type(verify_validation).__name__} "
                             f"{verify_validation!r}")
@@ -165,18 +161,18 @@ class GuardedTraining:
         if pushgateway is not None and (not isinstance(pushgateway, str) or not pushgateway):
             raise TypeError(f"pushgateway: expected a Pushgateway address such as 'http://host:9091' or None, "
                             f"got {type(pushgateway).__name__} {pushgateway!r}")
-        self.sampler = sampler if sampler is not None else Full()
-        self.policy = policy if policy is not None else Policy()
+        #: one sampler and one policy for the whole run: their state goes into checkpoints
+        self.sampler: Sampler = config.sampler if config.sampler is not None else Full()
+        self.policy: Policy = config.policy if config.policy is not None else Policy()
+        #: the guard's settings (``sdc_guard.GuardConfig``), with this run's sampler and policy
+        self.config = dataclasses.replace(config, sampler=self.sampler, policy=self.policy)
         self.snapshot_every = snapshot_every
         self.checkpoint_dir = checkpoint_dir
-        self.e_max = e_max
-        self.backend = backend
         self.verify_validation = verify_validation
         self.metrics_port = metrics_port
         self.metrics_address = metrics_address
         self.pushgateway = pushgateway
         self.log_every_n_steps = log_every_n_steps
-        self.calibrate_every = calibrate_every
         self.metrics: GuardMetrics | None = None
         self.metrics_url: str | None = None
         self.guard: Guard | None = None
@@ -200,12 +196,12 @@ class GuardedTraining:
         """The guard of the training steps. Its step count continues a resumed run's, or
         an earlier fit's; where no state said it (a fresh run, a checkpoint without it),
         it starts at ``trainer_step``, the trainer's count of optimizer steps done."""
-        self.guard = Guard(model, sampler=self.sampler, e_max=self.e_max, backend=self.backend,
-                           policy=self.policy, metrics=self.metrics, rank=rank, calibrate_every=self.calibrate_every)
+        self.guard = Guard(model, self.config, metrics=self.metrics, rank=rank)
         set_current_step(model, self._next_step if self._next_step is not None else trainer_step)
         if self.verify_validation:
-            # reports only: validation steps are not training steps, so no metrics sink
-            self.val_guard = Guard(model, e_max=self.e_max, backend=self.backend, rank=rank)
+            # reports only: validation steps are not training steps, so no metrics sink, and
+            # every GEMM verified (a sampler's schedule is the training steps')
+            self.val_guard = Guard(model, dataclasses.replace(self.config, sampler=None, policy=None), rank=rank)
         return self.guard
 
     def snapshot_store(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> SnapshotStore:

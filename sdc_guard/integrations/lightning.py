@@ -42,6 +42,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from sdc_guard.integrations.guarded_training import (DEFAULT_CALIBRATE_EVERY, DEFAULT_METRICS_PORT, GuardedTraining,
                                                      replace_method)
 from sdc_guard.respond.policy import Policy
+from sdc_guard.runtime.config import GuardConfig
 from sdc_guard.runtime.sampling import Sampler
 
 __all__ = ["DEFAULT_METRICS_PORT", "SDCGuard"]
@@ -81,6 +82,10 @@ class SDCGuard(GuardedTraining, Callback):
             and ``sdc/overhead`` stays an estimate). The closure must be safe to run
             again, as a re-execution already needs; what a module logs in
             ``training_step`` is logged again on those steps.
+        history, cache_bytes, stats, screen, compiled, events, collectives: as
+            ``protect()`` takes them (docs/CONFIGURATION.md).
+        config: ``protect()``'s settings (``sampler`` to ``collectives`` above) as one
+            ``sdc_guard.GuardConfig``, instead of their keywords.
 
     Every argument is checked here: a bad one raises ``TypeError`` / ``ValueError``
     naming it, before any training step.
@@ -105,12 +110,23 @@ class SDCGuard(GuardedTraining, Callback):
         pushgateway: str | None = None,
         log_every_n_steps: int | None = None,
         calibrate_every: int | None = DEFAULT_CALIBRATE_EVERY,
+        history: int = 100,
+        cache_bytes: int = 512 << 20,
+        stats: bool = False,
+        screen: str = "default",
+        compiled: bool | None = None,
+        events: Any = None,
+        collectives: bool = True,
+        config: GuardConfig | None = None,
     ) -> None:
         GuardedTraining.__init__(
-            self, sampler=sampler, policy=policy, snapshot_every=snapshot_every, checkpoint_dir=checkpoint_dir,
-            e_max=e_max, backend=backend, verify_validation=verify_validation, metrics_port=metrics_port,
-            metrics_address=metrics_address, pushgateway=pushgateway, log_every_n_steps=log_every_n_steps,
-            calibrate_every=calibrate_every)
+            self, config=GuardConfig.of(
+                config, sampler=sampler, e_max=e_max, backend=backend, policy=policy, history=history,
+                cache_bytes=cache_bytes, stats=stats, screen=screen, compiled=compiled,
+                calibrate_every=calibrate_every, events=events, collectives=collectives),
+            snapshot_every=snapshot_every, checkpoint_dir=checkpoint_dir, verify_validation=verify_validation,
+            metrics_port=metrics_port, metrics_address=metrics_address, pushgateway=pushgateway,
+            log_every_n_steps=log_every_n_steps)
         Callback.__init__(self)
         self._undo: list[Callable[[], None]] = []
         self._steps_at_batch_start = 0

@@ -89,6 +89,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 from sdc_guard.integrations.guarded_training import (DEFAULT_CALIBRATE_EVERY, DEFAULT_METRICS_PORT, GuardedTraining,
                                                      replace_method)
 from sdc_guard.respond.policy import Policy
+from sdc_guard.runtime.config import GuardConfig
 from sdc_guard.runtime.sampling import Sampler
 from sdc_guard.respond.snapshot import SnapshotStore
 
@@ -183,6 +184,10 @@ class SDCGuardCallback(GuardedTraining, TrainerCallback):
             and what that run left is put back, to measure what interception costs
             (``protect``'s argument; default 100; ``None``: never, and ``sdc/overhead``
             stays an estimate).
+        history, cache_bytes, stats, screen, compiled, events, collectives: as
+            ``protect()`` takes them (docs/CONFIGURATION.md).
+        config: ``protect()``'s settings (``sampler`` to ``collectives`` above) as one
+            ``sdc_guard.GuardConfig``, instead of their keywords.
 
     Example::
 
@@ -204,12 +209,23 @@ class SDCGuardCallback(GuardedTraining, TrainerCallback):
         pushgateway: str | None = None,
         log_every_n_steps: int | None = None,
         calibrate_every: int | None = DEFAULT_CALIBRATE_EVERY,
+        history: int = 100,
+        cache_bytes: int = 512 << 20,
+        stats: bool = False,
+        screen: str = "default",
+        compiled: bool | None = None,
+        events: Any = None,
+        collectives: bool = True,
+        config: GuardConfig | None = None,
     ) -> None:
         GuardedTraining.__init__(
-            self, sampler=sampler, policy=policy, snapshot_every=snapshot_every, checkpoint_dir=checkpoint_dir,
-            e_max=e_max, backend=backend, verify_validation=verify_validation, metrics_port=metrics_port,
-            metrics_address=metrics_address, pushgateway=pushgateway, log_every_n_steps=log_every_n_steps,
-            calibrate_every=calibrate_every)
+            self, config=GuardConfig.of(
+                config, sampler=sampler, e_max=e_max, backend=backend, policy=policy, history=history,
+                cache_bytes=cache_bytes, stats=stats, screen=screen, compiled=compiled,
+                calibrate_every=calibrate_every, events=events, collectives=collectives),
+            snapshot_every=snapshot_every, checkpoint_dir=checkpoint_dir, verify_validation=verify_validation,
+            metrics_port=metrics_port, metrics_address=metrics_address, pushgateway=pushgateway,
+            log_every_n_steps=log_every_n_steps)
         self._trainer: Trainer | None = None
         self._training_step: Callable[..., Any] | None = None  #: the Trainer's own
         self._undo: list[Callable[[], None]] = []

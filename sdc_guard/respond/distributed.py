@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import _disable_current_modes
+from ..core.torch_private import disable_current_modes as _disable_current_modes
 
 
 def is_distributed() -> bool:

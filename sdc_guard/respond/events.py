@@ -54,7 +54,7 @@ from .identity import Identity, local_identity
 from .outcome import strict_json
 
 if TYPE_CHECKING:
-    from ..runtime.report import Detection, StepReport
+    from ..report import Detection, StepReport
     from .outcome import StepOutcome
 
 ENV_EVENTS = "SDC_GUARD_EVENTS"

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from .exit_codes import describe
 
 if TYPE_CHECKING:
-    from ..runtime.report import Detection, StepReport
+    from ..report import Detection, StepReport
 
 EXIT_TRANSIENT = 16
 EXIT_PERSISTENT = 17

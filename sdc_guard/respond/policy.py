@@ -1,7 +1,8 @@
 """Respond to corruption: triage by re-execution, recompute, skip, roll back, raise, exit.
 
 State machine of one guarded optimizer step (``Guard.optimizer_step``), in the spirit of
-Megatron-LM's ``rerun_state_machine``; every rank walks it in lockstep::
+Megatron-LM's ``rerun_state_machine``; every rank walks it in lockstep (its named states
+and transitions: ``responder.py``, the decider; ``runtime/guarded_step.py`` acts)::
 
     RUN closure (forward + backward, RNG state saved)
      |
@@ -47,9 +48,10 @@ GEMM whose output is infinite, is written as the string ``"inf"``, ``"-inf"`` or
 ``"nan"`` (``float()`` reads each back).
 
 Modules: this one holds ``Policy`` (what to do); ``responder.py`` the state machine
-(``Responder``); ``rerun.py`` what a re-execution restores (RNG, gradients, buffers, the
-user's state); ``outcome.py`` the outcome, errors and exit report. Their public names
-are importable from here too.
+(``Responder``, a passive decider: it is asked with the step's facts and answers a
+``Decision``; ``runtime/guarded_step.py`` drives the step and acts on it); ``rerun.py``
+what a re-execution restores (RNG, gradients, buffers, the user's state); ``outcome.py``
+the outcome, errors and exit report, whose public names are importable from here too.
 """
 
 from __future__ import annotations
@@ -63,10 +65,9 @@ from typing import Any, Callable
 from .outcome import (CLASSIFICATIONS, EXIT_COLLECTIVE, EXIT_NONDETERMINISTIC, EXIT_PERSISTENT, EXIT_TRANSIENT, SDCError,
                       SDCExit, StepOutcome, Triage, strict_json, write_exit_report)
 from .rerun import check_state_functions
-from .responder import Responder
 
 __all__ = ["ACTIONS", "CLASSIFICATIONS", "EXIT_COLLECTIVE", "EXIT_NONDETERMINISTIC", "EXIT_PERSISTENT", "EXIT_TRANSIENT", "Policy",
-           "Responder", "SDCError", "SDCExit", "StepOutcome", "Triage", "strict_json", "write_exit_report"]
+           "SDCError", "SDCExit", "StepOutcome", "Triage", "strict_json", "write_exit_report"]
 
 ACTIONS = ("log", "raise", "skip", "recompute", "rollback", "exit")
 

@@ -1,328 +1,198 @@
-"""The responder: walks the state machine of ``sdc_guard.respond.policy`` for one
-guarded optimizer step (triage by re-execution, recompute, skip, roll back, raise, exit),
-in lockstep across ranks. What a re-execution restores is ``sdc_guard.respond.rerun``.
+"""The responder: decides, from the facts of one guarded optimizer step, what the guard
+does next. It is passive: the guard (``runtime/guarded_step.py``) runs the step, gathers
+the facts (agreed across ranks), asks, and acts; the responder never calls the guard,
+the optimizer or the model (the anchors: Megatron's ``RerunStateMachine``, asked
+``should_rerun_forward_and_backward()`` / ``should_checkpoint_and_exit()`` by the loop;
+Lightning's ``EarlyStopping``, which computes a decision the trainer applies).
+
+States and transitions (``State``; each arrow is one ``Decision``, its ``act`` what the
+guard does; every rank is asked with the same agreed facts, so all take the same arrow)::
+
+    RAN (the closure ran once; facts: a rank flagged? a gradient screen tripped? can the
+     |   step be re-executed, on every rank?)
+     +-- nothing flagged or tripped ---------------------------------> DONE: STEP
+     +-- flagged, on_detection = recompute, re-executable -----------> TRIAGE: RERUN
+     +-- flagged, otherwise (recompute not possible: skip) ----------> DONE: the action [unconfirmed]
+     +-- tripped, re-executable -------------------------------------> RESCREEN: RERUN
+     +-- tripped, not re-executable (screen "unresolved") -----------> as flagged, not re-executable
+    TRIAGE (facts: the re-executions' triage, agreed by severity)
+     +-- TRANSIENT ---------------------------------------------------> DONE: STEP (re-run's gradients)
+     +-- PERSISTENT -------------------------> DONE: on_persistent, or on_repeated within window
+     +-- NON_DETERMINISTIC (or CLEAN) -------------------------------> DONE: on_nondeterministic
+    RESCREEN (facts: the re-executions' triage against the first run's gradients, agreed)
+     +-- CLEAN (a screen miss) ---------------------------------------> DONE: STEP
+     +-- TRANSIENT, on_detection = recompute ------------------------> DONE: STEP (re-run's gradients)
+     +-- TRANSIENT, otherwise ---------------------------------------> DONE: on_detection
+     +-- PERSISTENT / NON_DETERMINISTIC ------------------------------> DONE: as in TRIAGE
+
+The acts (``Act``): ``STEP`` (the optimizer steps), ``RERUN`` (re-execute the closure
+``policy.reruns`` times, every GEMM verified, from the state it started from, then ask
+again), ``LOG`` (step anyway; the snapshots learn the step was tainted), ``SKIP``,
+``ROLLBACK``, ``RAISE`` (``SDCError``), ``EXIT`` (``SDCExit`` with ``Decision.exit_code``).
+The policy (``policy.py``) says which final act each classification gets; what a
+re-execution restores is ``rerun.py``.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
-import os
-import sys
-import time
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from . import distributed
 from .exit_codes import code_for
-from .identity import gather_identities, local_identity
-from .outcome import EXIT_COLLECTIVE, EXIT_PERSISTENT, SDCError, SDCExit, StepOutcome, Triage, write_exit_report
-from .rerun import StepState, grads_of
-from .snapshot import SnapshotStore
+from .outcome import EXIT_COLLECTIVE, EXIT_PERSISTENT, Triage
+from .policy import Policy
 
 if TYPE_CHECKING:
-    from ..runtime.guard import Guard
-    from ..runtime.report import StepReport
-    from .policy import Policy
+    from ..report import StepReport
 
 log = logging.getLogger("sdc_guard")
 
-#: where the exit report goes when the policy names no ``exit_report_dir``: set by the
-#: job's scheduler script, which reads the report after the run (docs/OPERATIONS.md)
-ENV_EXIT_REPORT_DIR = "SDC_GUARD_EXIT_REPORT_DIR"
+
+class State(enum.Enum):
+    """Where a guarded step's response stands (the module docstring's machine)."""
+
+    RAN = "ran"  #: the closure ran once: decide on its facts
+    TRIAGE = "triage"  #: a detection is being re-executed, to classify it
+    RESCREEN = "rescreen"  #: a tripped gradient screen is being re-executed, every GEMM verified
+    DONE = "done"  #: the step's response is decided
 
 
-def _signature(report: "StepReport") -> frozenset:
-    return frozenset((d.site, d.phase, d.op, tuple(d.rows), tuple(d.segments)) for d in report.detections)
+class Act(enum.Enum):
+    """What the guard does for a ``Decision``."""
+
+    STEP = "step"  #: the optimizer steps (with the first run's gradients, or a clean re-run's)
+    RERUN = "rerun"  #: re-execute the closure ``Decision.reruns`` times, then ask again
+    LOG = "log"  #: step anyway; the snapshots are told the step was not resolved
+    SKIP = "skip"  #: drop the gradients; the optimizer untouched, buffers and user state put back
+    ROLLBACK = "rollback"  #: restore the last known-good snapshot
+    RAISE = "raise"  #: raise ``SDCError``
+    EXIT = "exit"  #: raise ``SDCExit`` with ``Decision.exit_code``
+
+
+_FINAL = {"log": Act.LOG, "skip": Act.SKIP, "rollback": Act.ROLLBACK, "raise": Act.RAISE, "exit": Act.EXIT}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One transition of the machine: the state it leads to and what the guard does."""
+
+    state: State
+    act: Act
+    #: ``StepOutcome.action``: the policy's name of the response (``"recompute"`` for a
+    #: step taken with a clean re-execution's gradients), ``None`` for a plain step
+    action: str | None = None
+    #: ``StepOutcome.classification`` from now on (``None``: nothing to classify yet)
+    classification: str | None = None
+    #: the gradient screen's verdict, for the sampler and ``StepOutcome.screen`` (``None``: none)
+    screen: str | None = None
+    reruns: int = 0  #: re-executions to run (``RERUN``)
+    #: tell the snapshots of the detection: ``True`` resolved (nothing corrupt reached the
+    #: weights), ``False`` not, ``None`` nothing to tell
+    resolved: bool | None = None
+    #: ``EXIT``'s code, and the code instead if every rank's detections were in
+    #: collectives (the guard asks the ranks only where it differs: ``None`` otherwise)
+    exit_code: int | None = None
+    link_exit_code: int | None = None
+
+    @property
+    def screen_with_gradients(self) -> bool:
+        """Whether the screen's verdict goes to the sampler with the step's gradients (a
+        verdict of re-executions: the gradients the optimizer keeps are the re-run's)."""
+        return self.screen not in (None, "unresolved", "miss")
 
 
 class Responder:
-    """Runs ``Guard.optimizer_step``: the state machine of the module docstring."""
+    """The decider of the module docstring, for one policy. ``first_run`` answers state
+    ``RAN``, ``after_reruns`` a ``RERUN`` decision's state."""
 
-    def __init__(self, guard: "Guard", optimizer: torch.optim.Optimizer, policy: Policy,
-                 snapshots: SnapshotStore | None, step_fn: Callable[[], Any] | None = None) -> None:
-        self.guard = guard
-        self.optimizer = optimizer
-        self._step_fn = step_fn if step_fn is not None else optimizer.step
+    def __init__(self, policy: Policy) -> None:
         self.policy = policy
-        self.snapshots = snapshots if snapshots is not None else SnapshotStore(guard.model, optimizer)
-        self._params = [p for g in optimizer.param_groups for p in g["params"]]
-        with guard.unintercepted():  # the guard's own work: not the model's ops
-            self.snapshots.take_initial(guard.step_index - 1)  # unless a snapshot or checkpoint exists
 
-    def run(self, closure: Callable[[], Any] | None, *, replay: bool = False, loss: Any = None,
-            replay_started: float | None = None) -> StepOutcome:
-        """One guarded step. ``closure=None`` (manual optimisation, GEMMs run before the
-        step was called) leaves nothing to re-execute: recompute becomes skip.
+    def first_run(self, step: int, *, flagged: list[int], tripped: list[int], rerunnable: bool) -> Decision:
+        """The step ran once. ``flagged`` / ``tripped``: the ranks whose checks flagged /
+        whose gradient screen tripped (agreed: the same lists on every rank);
+        ``rerunnable``: every rank can re-execute the step (agreed; only read when a
+        rank flagged or tripped)."""
+        if flagged:
+            return self._detected(step, flagged, rerunnable)
+        if tripped:
+            if not rerunnable:
+                return self._detected(step, tripped, False, screen="unresolved")
+            return Decision(State.RESCREEN, Act.RERUN, reruns=self.policy.reruns)
+        return Decision(State.DONE, Act.STEP)
 
-        ``replay=True``: the step's forward and backward already ran and gave ``loss``
-        (the Hugging Face Trainer runs them before it calls the optimizer); ``closure`` is
-        called only to re-execute, re-runs the whole step and restores the RNG state and
-        gradients it starts from itself, so every GEMM of the step can be re-run.
-        ``replay_started``: when that first run began (``time.perf_counter()``), so that a
-        calibration replay can pair it with a bare run.
-
-        The state a re-execution starts from is captured only where one can happen: on a
-        watched step (a detection needs verification) or one the gradient screen checks;
-        an unwatched step pays nothing for it."""
-        guard = self.guard
-        started = time.perf_counter()
-        calibrating = guard.replays.due(closure is not None and (not replay or replay_started is not None),
-                                        first_run_started=replay_started if replay else None)
-        state = None
-        if guard.watching or guard.screens_gradients:
-            with guard.unintercepted():
-                state = StepState.capture(guard.model, self._params, replay=replay,
-                                          save_state=self.policy.save_state, restore_state=self.policy.restore_state)
-        guard.charge(time.perf_counter() - started)
-        closure_start = 0 if replay else guard.gemms_seen  # GEMMs before this point cannot be re-run
-        if calibrating:
-            assert closure is not None and state is not None
-            loss = self._calibrate(closure, state, replay, loss)
-        elif not replay:
-            loss = self._call(closure) if closure is not None else None
-        if state is not None:
-            state.first_run_done()
-        screened = guard.screen_gradients(self._params)  # None unless the sampler screens
-        report = guard.end_step()
-        started = time.perf_counter()  # the guard's bookkeeping from here on is charged to the next report
-        if screened is None:
-            flagged, tripped = distributed.flagged_ranks(report.flagged > 0), []
-        else:
-            flagged, tripped = distributed.step_flags(report.flagged > 0, screened.tripped)
-        outcome = StepOutcome(report.step, loss, report, flagged, tripped_ranks=tripped)
-        bookkeeping = time.perf_counter() - started
-        try:
-            if outcome.flagged_ranks:
-                assert state is not None, "a detection on a step that was not watched"
-                outside = any(d.call_index < closure_start for d in report.detections) or closure is None
-                rerunnable = not distributed.agree_max(int(outside))
-                self._respond(outcome, closure if rerunnable else None, state)
-            elif outcome.tripped_ranks:
-                assert state is not None, "a gradient screen that tripped without a sampler that screens"
-                # GEMMs before the closure cannot be re-run: agreed, as for a detection
-                outside = closure is None or closure_start > 0
-                rerunnable = not distributed.agree_max(int(outside))
-                self._rescreen(outcome, closure if rerunnable else None, state)
-            else:
-                self._step_fn()
-        finally:  # raise and exit are responses too: record them
-            started = time.perf_counter()
-            guard.outcomes.append(outcome)
-            guard.publish("observe_outcome", outcome)
-            bookkeeping += time.perf_counter() - started
-        guard.refresh_weights()  # encode the updated weights now, while known fresh (charges itself)
-        started = time.perf_counter()
-        if outcome.stepped or outcome.action == "skip":
-            with guard.unintercepted():  # reads the model only: the guard's own work, not the model's ops
-                self.snapshots.after_step(report.step)  # never raises: a failing disk warns once
-        guard.charge(bookkeeping + time.perf_counter() - started)  # no step is open: the next report's
-        guard.begin_step(provisional=True)
-        return outcome
-
-    def _calibrate(self, closure: Callable[[], Any], state: StepState, replay: bool, loss: Any) -> Any:
-        """The step with a calibration replay (``sdc_guard.runtime.calibration``): the
-        closure once with interception off, timed, and everything it changed put back,
-        then (unless the step already ran, ``replay``) the run whose results are used,
-        guarded and timed. Returns the step's loss. The replay's work, putting back
-        included, is charged to the step as the guard's cost."""
-        guard = self.guard
-        if replay:
-            # the step ran guarded already: the bare replay must leave what that run left
-            started = time.perf_counter()
-            with guard.unintercepted():
-                after = StepState.capture(guard.model, self._params, save_state=self.policy.save_state,
-                                          restore_state=self.policy.restore_state)
-            guard.replays.charge(time.perf_counter() - started)
-            try:
-                self._call(lambda: guard.replays.run_bare(closure))
-            finally:
-                started = time.perf_counter()
-                with guard.unintercepted():
-                    after.restore(self._params)
-                guard.replays.charge(time.perf_counter() - started)
-            return loss
-        try:
-            self._call(lambda: guard.replays.run_bare(closure))
-        finally:
-            started = time.perf_counter()
-            with guard.unintercepted():
-                state.restore(self._params)  # gradients, generators, buffers, the user's state
-            guard.replays.charge(time.perf_counter() - started)
-        return self._call(lambda: guard.replays.run_guarded(closure))
-
-    def _call(self, closure: Callable[[], Any]) -> Any:
-        """Run the closure; if it raises, close the open step (its report keeps what ran,
-        detections included), open the next one and let the exception propagate, so
-        that the next step counts only its own GEMMs."""
-        try:
-            return closure()
-        except BaseException:
-            if self.guard.step_open:
-                self.guard.end_step(closure_raised=True)
-            self.guard.begin_step(provisional=True)
-            raise
-
-    def _respond(self, outcome: StepOutcome, closure: Callable[[], Any] | None, state: StepState) -> None:
-        action = self.policy.on_detection
-        outcome.classification = "unconfirmed"
-        if action == "recompute" and closure is None:
-            # corrupted GEMMs ran outside the closure (earlier micro-batches, manual
-            # optimisation): re-running the closure would not redo them; drop the step
-            action = "skip"
-        if action == "recompute":
-            assert closure is not None
-            triage = self._triage(outcome, closure, state)
-            outcome.classification = triage.name.lower()
+    def after_reruns(self, pending: Decision, step: int, triage: Triage, ranks: list[int]) -> Decision:
+        """The re-executions ``pending`` asked for ran; ``triage`` is their classification,
+        agreed across ranks by severity; ``ranks`` the flagged (or tripped) ranks, for the log."""
+        if pending.state is State.TRIAGE:
+            classification = triage.name.lower()
             if triage == Triage.TRANSIENT:
-                outcome.action = "recompute"
-                self.snapshots.note_detection(resolved=True)
-                self._step_fn()  # with the clean re-run's gradients
-                return
-            action = (self.policy.escalate(outcome.step) if triage == Triage.PERSISTENT
-                      else self.policy.on_nondeterministic)
-        outcome.action = action
-        log.warning("sdc_guard: corruption at step %d on rank(s) %s (%s): %s", outcome.step,
-                    outcome.flagged_ranks, outcome.classification, action)
-        self._apply(action, outcome, state)
-
-    def _rescreen(self, outcome: StepOutcome, closure: Callable[[], Any] | None, state: StepState) -> None:
-        """A tripped gradient screen: re-execute the step with every GEMM verified, on
-        every rank, and compare. A confirmed corruption in a re-execution: PERSISTENT
-        (the fault is still there); clean re-executions that agree with each other but
-        not with the first run's gradients: TRANSIENT (they are what the optimizer
-        steps with); re-executions that disagree with each other: NON_DETERMINISTIC;
-        clean and identical to the first run: a screen miss, nothing more is done. A
-        step that cannot be re-executed is answered as an unconfirmed detection."""
-        if closure is None:
-            outcome.screen = "unresolved"
-            self.guard.resolve_screen("unresolved")
-            self._respond(outcome, None, state)
-            return
-        first = grads_of(self._params)
-        signatures, rerun_grads = self._rerun(outcome, closure, state)
-        if any(signatures):
-            local = Triage.PERSISTENT if all(s and s == signatures[0] for s in signatures) \
-                else Triage.NON_DETERMINISTIC
-        elif len(rerun_grads) > 1 and not all(_same(rerun_grads[0], g) for g in rerun_grads[1:]):
-            local = Triage.NON_DETERMINISTIC
-        else:
-            local = Triage.CLEAN if _same(first, grads_of(self._params)) else Triage.TRANSIENT
-        triage = Triage(distributed.agree_max(int(local)))
+                return Decision(State.DONE, Act.STEP, action="recompute", classification=classification,
+                                resolved=True)
+            action = self.policy.escalate(step) if triage == Triage.PERSISTENT else self.policy.on_nondeterministic
+            log.warning("sdc_guard: corruption at step %d on rank(s) %s (%s): %s", step, ranks, classification, action)
+            return self._final(action, classification)
+        if pending.state is not State.RESCREEN:
+            raise ValueError(f"pending: expected a RERUN decision (state TRIAGE or RESCREEN), got {pending!r}")
         if triage == Triage.CLEAN:  # the statistic was legitimately unusual
-            outcome.screen = "miss"
-            self.guard.resolve_screen("miss")
-            self._step_fn()  # with gradients identical to the first run's
-            return
-        outcome.screen = outcome.classification = triage.name.lower()
-        self.guard.resolve_screen(outcome.screen, self._params)
+            return Decision(State.DONE, Act.STEP, screen="miss")
+        classification = triage.name.lower()
         if triage == Triage.TRANSIENT and self.policy.on_detection == "recompute":
-            outcome.action = "recompute"
-            self.snapshots.note_detection(resolved=True)
-            self._step_fn()  # with the clean re-execution's gradients
-            return
+            return Decision(State.DONE, Act.STEP, action="recompute", classification=classification,
+                            screen=classification, resolved=True)
         if triage == Triage.PERSISTENT:
-            action = self.policy.escalate(outcome.step)
+            action = self.policy.escalate(step)
         elif triage == Triage.TRANSIENT:
             action = self.policy.on_detection
         else:
             action = self.policy.on_nondeterministic
-        outcome.action = action
         log.warning("sdc_guard: gradient screen tripped at step %d on rank(s) %s; re-execution: %s; %s",
-                    outcome.step, outcome.tripped_ranks, outcome.classification, action)
-        self._apply(action, outcome, state)
+                    step, ranks, classification, action)
+        return self._final(action, classification, screen=classification)
 
-    def _triage(self, outcome: StepOutcome, closure: Callable[[], Any], state: StepState) -> Triage:
-        """Re-run the step ``policy.reruns`` times on every rank; classify; agree."""
-        original = _signature(outcome.report)
-        signatures, rerun_grads = self._rerun(outcome, closure, state)
-        local = _classify(original, signatures, rerun_grads)
-        return Triage(distributed.agree_max(int(local)))
+    def _detected(self, step: int, ranks: list[int], rerunnable: bool, screen: str | None = None) -> Decision:
+        action = self.policy.on_detection
+        if action == "recompute" and not rerunnable:
+            # corrupted GEMMs ran outside the closure (earlier micro-batches, manual
+            # optimisation): re-running the closure would not redo them; drop the step
+            action = "skip"
+        if action == "recompute":
+            return Decision(State.TRIAGE, Act.RERUN, classification="unconfirmed", reruns=self.policy.reruns)
+        log.warning("sdc_guard: corruption at step %d on rank(s) %s (%s): %s", step, ranks, "unconfirmed", action)
+        return self._final(action, "unconfirmed", screen=screen)
 
-    def _rerun(self, outcome: StepOutcome, closure: Callable[[], Any], state: StepState) -> tuple[list[frozenset], list[list[Tensor | None]]]:
-        """Re-run the step ``policy.reruns`` times, every GEMM verified, each from the RNG
-        state and gradients it started from: each re-run's detection signature and, when
-        there are several re-runs to compare, each one's gradients."""
-        signatures, rerun_grads = [], []
-        try:
-            for _ in range(self.policy.reruns):
-                self.policy.beat()  # a replayed step is progress, not a hang
-                state.restore(self._params)  # RNG, gradients, buffers, the user's state
-                self.guard.begin_step(rerun=True)
-                outcome.loss = self._call(closure)
-                rerun = self.guard.end_step()
-                outcome.reruns.append(rerun)
-                signatures.append(_signature(rerun))
-                if self.policy.reruns > 1:
-                    rerun_grads.append(grads_of(self._params))
-        finally:
-            state.finish()  # the generators go on from where the first run left them
-            self.policy.beat()
-        return signatures, rerun_grads
-
-    def _apply(self, action: str, outcome: StepOutcome, state: StepState) -> None:
-        if action == "log":
-            self.snapshots.note_detection(resolved=False)
-            self._step_fn()
-        elif action == "skip":
-            self.snapshots.note_detection(resolved=True)
-            self.optimizer.zero_grad(set_to_none=True)
-            state.restore_model_state()  # a dropped step leaves no trace in the buffers either
-            outcome.stepped = False
-        elif action == "rollback":
-            self.optimizer.zero_grad(set_to_none=True)
-            self.policy.beat()  # a restore from disk can take a while
-            restored = self.snapshots.restore()
-            self.policy.beat()
-            outcome.rolled_back_to = restored.step
-            outcome.stepped = False
-        elif action == "raise":
-            outcome.stepped = False
-            raise SDCError(outcome)
-        elif action == "exit":
-            outcome.stepped = False
-            self._exit(outcome)
-
-    def _exit(self, outcome: StepOutcome) -> None:
-        code = code_for(outcome.classification)
-        if code == EXIT_PERSISTENT and _only_collectives(outcome):
-            code = EXIT_COLLECTIVE  # the link, not the compute
-        outcome.exit_code = code
-        directory = self.policy.exit_report_dir or os.environ.get(ENV_EXIT_REPORT_DIR) or None
-        try:
-            if directory is not None:
-                # every rank: which node and device each flagged rank is, for the report
-                devices = [i.as_dict() for i in gather_identities(local_identity(_device_of(self.guard.model)))]
-                if distributed.rank() == 0:
-                    write_exit_report(directory, code, outcome, devices)
-        except Exception as exc:  # the exit code is what the scheduler acts on: keep it
-            log.error("sdc_guard: could not write the exit report to %s (%s: %s); exiting with code %d anyway",
-                      directory, type(exc).__name__, exc, code)
-        log.error("sdc_guard: exiting with code %d (%s) at step %d", code, outcome.classification, outcome.step)
-        try:
-            sys.stdout.flush()
-        except Exception:  # a closed or broken stdout must not change the exit code either
-            pass
-        raise SDCExit(code, outcome)
+    @staticmethod
+    def _final(action: str, classification: str, screen: str | None = None) -> Decision:
+        act = _FINAL[action]
+        resolved = {Act.LOG: False, Act.SKIP: True}.get(act)
+        code = link = None
+        if act is Act.EXIT:
+            code = code_for(classification)
+            link = EXIT_COLLECTIVE if code == EXIT_PERSISTENT else None  # the link, not the compute
+        return Decision(State.DONE, act, action=action, classification=classification, screen=screen,
+                        resolved=resolved, exit_code=code, link_exit_code=link)
 
 
+# --- the triage: pure functions of one rank's facts (the guard agrees them across ranks)
 
-def _only_collectives(outcome: StepOutcome) -> bool:
-    """Whether every rank's detections at this step were in collectives (one small
-    collective: all ranks exit with the same code)."""
-    kinds = {d.kind for d in outcome.detections}
-    mine = 0 if not kinds else (1 if kinds == {"collective"} else 2)
-    agreed = distributed.agree_max(mine)
-    return agreed == 1
+def signature(report: "StepReport") -> frozenset:
+    """What a run's detections were: sites, phases, ops, rows and segments."""
+    return frozenset((d.site, d.phase, d.op, tuple(d.rows), tuple(d.segments)) for d in report.detections)
 
 
-def _classify(original: frozenset, signatures: list[frozenset], rerun_grads: list) -> Triage:
-    """The seed's three-way logic, on this rank's detections."""
+def classify_detection(original: frozenset, signatures: list[frozenset], rerun_grads: list) -> Triage:
+    """A detection's re-executions, on this rank (the seed's three-way logic): clean
+    re-runs that agree with each other are TRANSIENT, re-runs flagged exactly like the
+    first run PERSISTENT, anything else NON_DETERMINISTIC (CLEAN: this rank never flagged)."""
     if not original and not any(signatures):
         return Triage.CLEAN
     if not any(signatures):
-        if len(rerun_grads) > 1 and not all(_same(rerun_grads[0], g) for g in rerun_grads[1:]):
+        if len(rerun_grads) > 1 and not all(same_tensors(rerun_grads[0], g) for g in rerun_grads[1:]):
             return Triage.NON_DETERMINISTIC
         return Triage.TRANSIENT
     if original and all(s == original for s in signatures):
@@ -330,11 +200,21 @@ def _classify(original: frozenset, signatures: list[frozenset], rerun_grads: lis
     return Triage.NON_DETERMINISTIC
 
 
-def _device_of(model: torch.nn.Module) -> torch.device | None:
-    """The device of the model's first parameter (None: a model without parameters)."""
-    return next((p.device for p in model.parameters()), None)
+def classify_rescreen(first: list[Tensor | None], signatures: list[frozenset], rerun_grads: list,
+                      last: list[Tensor | None]) -> Triage:
+    """A tripped gradient screen's re-executions, on this rank: a confirmed corruption in
+    each, alike, is PERSISTENT (the fault is still there); clean re-executions that agree
+    with each other but not with the first run's gradients ``first`` (``last``: the
+    gradients after the re-executions) are TRANSIENT; re-executions that disagree with
+    each other NON_DETERMINISTIC; clean and identical to the first run, CLEAN (a screen miss)."""
+    if any(signatures):
+        return Triage.PERSISTENT if all(s and s == signatures[0] for s in signatures) else Triage.NON_DETERMINISTIC
+    if len(rerun_grads) > 1 and not all(same_tensors(rerun_grads[0], g) for g in rerun_grads[1:]):
+        return Triage.NON_DETERMINISTIC
+    return Triage.CLEAN if same_tensors(first, last) else Triage.TRANSIENT
 
 
-def _same(a: list[Tensor | None], b: list[Tensor | None]) -> bool:
+def same_tensors(a: list[Tensor | None], b: list[Tensor | None]) -> bool:
+    """Whether two lists of gradients are bitwise equal (``None`` matching ``None``)."""
     return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
                for x, y in zip(a, b))

@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from ..core.torch_private import fused_sdp_choice
 from ..backends import ENV_BACKEND
 from ..backends.native_attention import native_backward_screen, native_forward_screen
 from ..core.attention import (AttentionOperands, BackwardCheck, RowCheck, backward_screen, default_scale,
@@ -198,7 +199,7 @@ def chosen_kernel(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout:
     dispatcher chooses it (``torch._fused_sdp_choice``: metadata only, no host sync);
     ``flash_cpu`` for flash on the host, ``choice<N>`` for a choice this does not know."""
     extra = {"enable_gqa": True} if gqa else {}
-    choice = int(torch._fused_sdp_choice(q, k, v, mask, dropout, causal, scale=scale, **extra))
+    choice = int(fused_sdp_choice(q, k, v, mask, dropout, causal, scale=scale, **extra))
     name = FUSED_CHOICES.get(choice, f"choice{choice}")
     return "flash_cpu" if name == "flash" and q.device.type == "cpu" else name
 

@@ -210,7 +210,7 @@ def synchronize(model: nn.Module) -> None:
 
 class Replays:
     """The guard's side of calibration replays (``Guard.replays``, which
-    ``optimizer_step``'s responder drives: ``due``, then ``run_bare`` with the step's
+    ``optimizer_step``'s driver, ``runtime/guarded_step.py``, drives: ``due``, then ``run_bare`` with the step's
     closure, the state put back (``charge`` its time), then ``run_guarded``):
     interception switched off and on again, and the timings and counts of the two runs,
     kept in the open step's ledger."""
@@ -218,7 +218,6 @@ class Replays:
     def __init__(self, guard: "Guard", every: int | None) -> None:
         self.guard = guard
         self.calibration = calibration_of(guard.model, every)
-        self.bare = False  #: a bare run is under way: interception is off
 
     def eligible(self) -> bool:
         """Whether the open step can be replayed bare: its first run, watched, on a route
@@ -226,7 +225,7 @@ class Replays:
         route, with this guard's mode the only one on the thread; another mode, a fault
         drill's or a profiler's, would see both runs), this guard alone on its thread."""
         g = self.guard
-        return g.step_open and g.watching and g._attempt == 0 and g.replayable and g.alone_on_thread()
+        return g.step_open and g.watching and g.attempt == 0 and g.replayable and g.alone_on_thread()
 
     def due(self, possible: bool, first_run_started: float | None = None) -> bool:
         """Whether the step replays now. ``possible``: the caller has a closure to replay.
@@ -249,7 +248,7 @@ class Replays:
                 return False
         elif not (possible and self.eligible()) or not calibration.due():
             return False
-        ledger = self.guard._ledger
+        ledger = self.guard.ledger
         ledger.replay = Replay()
         if first_run_started is not None:
             synchronize(self.guard.model)
@@ -260,39 +259,31 @@ class Replays:
         return True
 
     def _counts(self) -> tuple[int, int]:
-        g = self.guard
-        mode = g._mode
-        return g._ledger.ops + (mode.ops if mode is not None else 0), g._ledger.module_calls + g._sites.calls
+        return self.guard.op_counts()
 
     def run_bare(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` with interception off (no mode, no hooks), timed; all of it,
         switching included, is the replay's cost."""
-        g, ledger = self.guard, self.guard._ledger
+        g, ledger = self.guard, self.guard.ledger
         assert ledger.replay is not None, "run_bare() without due()"
         started = time.perf_counter()
-        self.bare = True
-        g._sites.stop()
-        g._sync_mode()
         try:
-            synchronize(g.model)
-            cpu = thread_clock(g.model)
-            began, began_cpu = time.perf_counter(), time.thread_time()
-            result = fn()
-            synchronize(g.model)
-            ledger.replay.bare = time.perf_counter() - began
-            ledger.replay.bare_cpu = time.thread_time() - began_cpu if cpu else None
+            with g.bare_run():  # the guard's Switch: ON -> BARE -> ON
+                synchronize(g.model)
+                cpu = thread_clock(g.model)
+                began, began_cpu = time.perf_counter(), time.thread_time()
+                result = fn()
+                synchronize(g.model)
+                ledger.replay.bare = time.perf_counter() - began
+                ledger.replay.bare_cpu = time.thread_time() - began_cpu if cpu else None
         finally:
-            self.bare = False
-            if g.watching and not g.compiled:
-                g._sites.start()
-            g._sync_mode()
             ledger.calibration_seconds += time.perf_counter() - started
         return result
 
     def run_guarded(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` under the guard, timed, with what the guard timed itself and the
         ops and module calls it intercepted in between: the pair's other side."""
-        g, ledger = self.guard, self.guard._ledger
+        g, ledger = self.guard, self.guard.ledger
         replay = ledger.replay
         assert replay is not None, "run_guarded() without due()"
         synchronize(g.model)
@@ -312,5 +303,5 @@ class Replays:
     def charge(self, seconds: float) -> None:
         """Count ``seconds`` of the replay's work outside the bare run (putting its effects
         back, capturing the state to put back) in the open step's calibration cost."""
-        self.guard._ledger.calibration_seconds += seconds
+        self.guard.ledger.calibration_seconds += seconds
 

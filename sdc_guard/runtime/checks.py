@@ -1,5 +1,5 @@
 """Argument checks ``protect()`` and the integrations share: a metrics sink, a forced
-backend, and where this process sits in a process group.
+backend, a guard's per-run arguments (its settings: ``runtime/config.py``).
 
 Bad input gets a clear error at the call that received it, naming the argument, what was
 expected and what was received.
@@ -17,15 +17,11 @@ from .. import backends
 from ..backends import GemmRequest
 from ..core.precision import SUPPORTED_DTYPES
 
-from ..core.precision import check_e_max
-from ..respond.policy import Policy
 from ..respond.snapshot import SnapshotStore
-from .calibration import check_calibrate_every
-from .sampling import check_sampler
 
 if TYPE_CHECKING:
     from ..respond.outcome import StepOutcome
-    from .report import StepReport
+    from ..report import StepReport
 
 
 class MetricsSink(Protocol):
@@ -85,43 +81,16 @@ def check_backend(backend: Any, model: nn.Module | None = None, name: str = "bac
                              f"got {value!r}, which cannot: {reason}")
 
 
-def current_rank() -> int:
-    """This process's rank in the default process group (0 outside one)."""
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def check_guard_arguments(model: Any, *, sampler: Any, e_max: Any, backend: Any, history: Any, cache_bytes: Any,
-                          rank: Any, policy: Any, snapshots: Any, metrics: Any, stats: Any, compiled: Any,
-                          calibrate_every: Any = None, collectives: Any = True) -> None:
-    """Raise ``TypeError`` / ``ValueError`` naming the first of ``protect()``'s arguments that
-    is not what it takes (``screen`` is checked by ``core.precision.check_screen``)."""
+def check_guard_arguments(model: Any, *, backend: Any, rank: Any, snapshots: Any, metrics: Any) -> None:
+    """Raise ``TypeError`` / ``ValueError`` naming the first of a guard's per-run arguments
+    that is not what it takes, and a forced ``backend`` that cannot serve ``model``'s
+    tensors (the settings themselves are checked by ``runtime.config.GuardConfig``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    if sampler is not None:
-        check_sampler(sampler)
-    if e_max is not None:
-        check_e_max(e_max)
     check_backend(backend, model)
-    if isinstance(history, bool) or not isinstance(history, int) or history < 1:
-        raise ValueError(f"history: expected a positive int, got {history!r}")
-    if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
-        raise ValueError(f"cache_bytes: expected a non-negative int (bytes; 0 disables the cache), "
-                         f"got {cache_bytes!r}")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
         raise ValueError(f"rank: expected a non-negative int or None, got {rank!r}")
-    if policy is not None and not isinstance(policy, Policy):
-        raise TypeError(f"policy: expected a sdc_guard.Policy, got {type(policy).__name__}")
     if snapshots is not None and not isinstance(snapshots, SnapshotStore):
         raise TypeError(f"snapshots: expected a sdc_guard.SnapshotStore, got {type(snapshots).__name__}")
-    if not isinstance(stats, bool):
-        raise TypeError(f"stats: expected a bool, got {type(stats).__name__}")
-    if compiled is not None and not isinstance(compiled, bool):
-        raise TypeError(f"compiled: expected a bool or None (None: True when the model or one of its "
-                        f"modules is compiled), got {type(compiled).__name__} {compiled!r}")
     if metrics is not None:
         check_metrics_sink(metrics)
-    check_calibrate_every(calibrate_every)
-    if not isinstance(collectives, bool):
-        raise TypeError(f"collectives: expected a bool (check the collectives of each step under "
-                        f"torch.distributed), got {type(collectives).__name__} {collectives!r}")

@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.utils._python_dispatch import _disable_current_modes
+from ..core.torch_private import disable_current_modes
 
 from ..core.collective import (
     bit_checksums, exchange_layout_digest, pairs_bits, reduction_flags, segment_sizes, segment_sums, segments,
@@ -47,7 +47,7 @@ from ..core.collective import (
 from .collective_ops import OPS, Collective, Pending, describe, is_wait, run_then
 from .intercept import SiteTracker
 from .module_names import ModuleNames
-from .report import Detection, StepReport
+from ..report import Detection, StepReport
 from .sampler_base import sampler_shared
 from ..respond.distributed import is_distributed
 
@@ -152,7 +152,7 @@ class CollectiveChecks:
         every module)."""
         module = fsdp_module()
         if module is not None:
-            path = self._names.of_module(module)
+            path = self._names.of_module_id(id(module))
             return (type(self._names.model).__name__ if not path else path) if path is not None else "global", True
         if call.op == "all_reduce" and phase == "backward" and not call.functional:
             self._buckets += 1
@@ -223,7 +223,7 @@ class CollectiveChecks:
         ``c10d`` ops). Never raises: a failure leaves the record unchecked."""
         started = time.perf_counter()
         try:
-            with _disable_current_modes():
+            with disable_current_modes():
                 flat = result.reshape(-1)
                 if record.call.op == "all_gather":
                     record.received = bit_checksums(flat, record.wide, rows=record.call.group_size)
@@ -260,7 +260,7 @@ class CollectiveChecks:
         self._unchecked = {}
         self.enabled = False  # a collective after the step closed (the responder's) is not the step's
         if records:
-            with _disable_current_modes():
+            with disable_current_modes():
                 self._finish(records)
                 by_group: dict[str, list[Record]] = {}
                 for r in records:

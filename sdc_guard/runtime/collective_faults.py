@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import _disable_current_modes
+from ..core.torch_private import disable_current_modes
 
 from .collective_ops import OPS, Collective, Pending, describe, is_wait, run_then
 from .schedule import current_step
@@ -167,7 +167,7 @@ class CollectiveInjector:
             start, stop = fault.shard * width, (fault.shard + 1) * width
         region = flat[start:stop]
         element = bit = None
-        with _disable_current_modes(), torch.no_grad():
+        with disable_current_modes(), torch.no_grad():
             old = region.clone()
             if fault.corruption == "zero":
                 region.zero_()

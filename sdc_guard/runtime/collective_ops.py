@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.utils._python_dispatch import _disable_current_modes
+from ..core.torch_private import disable_current_modes
 
 from ..core.collective import REDUCIBLE
 
@@ -116,8 +116,8 @@ def _group(value: Any) -> Any:
     name resolves to (``None`` when neither works)."""
     try:
         if isinstance(value, str):
-            from torch.distributed.distributed_c10d import _resolve_process_group
-            return _resolve_process_group(value)
+            from ..core.torch_private import resolve_process_group
+            return resolve_process_group(value)
         return dist.ProcessGroup.unbox(value)
     except Exception:  # monitoring never breaks the op: it goes unchecked
         return None
@@ -223,7 +223,7 @@ def run_then(func: Any, args: tuple, kwargs: dict, call: Collective, done: Done,
         if isinstance(out, Tensor):
             # waited for now: what the caller waits on later is DTensor's wrapper, whose
             # wait no mode sees; on a GPU this only orders the current stream after it
-            with _disable_current_modes():
+            with disable_current_modes():
                 _functional().wait_tensor(out)
             done(out)
         return out
@@ -235,7 +235,7 @@ def run_then(func: Any, args: tuple, kwargs: dict, call: Collective, done: Done,
         done(recv)
         return out
     once = _Once(lambda: done(recv))
-    from torch._C._distributed_c10d import PythonCallbackWork, _create_work_from_future
+    from ..core.torch_private import PythonCallbackWork, create_work_from_future as _create_work_from_future
     future = None
     if not waited and not isinstance(work, PythonCallbackWork):  # ours (a drill below): its future waits for wait()
         try:

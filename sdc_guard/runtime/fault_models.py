@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import _disable_current_modes
+from ..core.torch_private import disable_current_modes
 
 #: The fault models, in the order the module docstring describes them.
 KINDS = ("bit", "stuck", "rows", "columns", "zero_tile", "swap_rows", "nan", "inf")
@@ -147,7 +147,7 @@ def corrupt(out: Tensor, kind: str, element: tuple[int, ...], *, bits: tuple[int
     values = out.data  # a view with its own version counter: the write bumps no version, as hardware's would not
     raw = values.view(INT_VIEW[out.dtype])
     before = float(values[element])
-    with _disable_current_modes():  # as hardware would: no dispatch mode sees the writes
+    with disable_current_modes():  # as hardware would: no dispatch mode sees the writes
         if kind == "swap_rows":
             changed = _swap_rows(raw, element, tile)
         else:

@@ -41,8 +41,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from ..core.torch_private import DisableTorchFunction
 from .attention import BACKWARD_OP, FORWARD_OP, function_call
-from .function_gemm import autocast_cast, autocast_dtype
+from .function_gemm import CHECKPOINTED_BACKWARD, autocast_cast, autocast_dtype, in_checkpoint_forward
 from .graph_checks import check_op, count_check, current_sink, run_drills, unverified
 
 NAME = "scaled_dot_product_attention"
@@ -63,7 +64,7 @@ def check_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], out
     ``grad_out``) the backward's ``dq``, ``dk``, ``dv``. Reads its
     tensors, writes none of them (a drill may corrupt ``out`` or a gradient first, as a
     faulty unit would). ``site`` empty: not known at trace time (eager frames)."""
-    with torch._C.DisableTorchFunction():  # verification's own ops are not the model's
+    with DisableTorchFunction():  # verification's own ops are not the model's
         backward = grad_out is not None and dq is not None and dk is not None and dv is not None
         op, phase = (BACKWARD_OP, "backward") if backward else (FORWARD_OP, "forward")
         grads = (dq, dk, dv) if backward else None
@@ -198,10 +199,13 @@ def route_sdpa(func: Callable, args: tuple, kwargs: dict) -> Any:
                                "scale": values["scale"]}
     if gqa:
         options["enable_gqa"] = True
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if not grads or in_checkpoint_forward():  # no tap where a checkpoint recomputes (function_gemm)
         out = func(q, k, v, **options)
         torch.ops.sdc_guard.check_attention(q, k, v, mask, out, None, None, None, None, dropout, causal, scale, gqa,
                                             site)
+        if grads:
+            unverified(CHECKPOINTED_BACKWARD)
         return out
     shape = (*q.shape[:-1], v.shape[-1])
     roles = (0, 0 if k is q else 1, 0 if v is q else 1 if v is k else 2)

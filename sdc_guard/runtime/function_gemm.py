@@ -40,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .graph_checks import check_op, count_check, current_sink, resolve_site, run_drills
+from ..core.torch_private import DisableTorchFunction, top_saved_tensors_default_hooks
+from .graph_checks import check_op, count_check, current_sink, resolve_site, run_drills, unverified
 from .ops import Gemm
 
 #: what ``check_gemm``'s ``form`` says its tensors ``x``, ``y`` multiply to: ``x @ y``,
@@ -58,7 +59,7 @@ def check_gemm(x: Tensor, y: Tensor, out: Tensor, bias: Optional[Tensor], alpha:
     none of them (a drill may corrupt ``out`` first, as a faulty unit would). ``site``
     empty: not known at trace time (eager frames); ``anchor``: the GEMM's parameter
     operand, whose module is the site at run time (``graph_checks.resolve_site``)."""
-    with torch._C.DisableTorchFunction():  # verification's own ops are not the model's
+    with DisableTorchFunction():  # verification's own ops are not the model's
         site = resolve_site(site, anchor)
         run_drills(op, out, site, phase)
         sink = current_sink()
@@ -106,6 +107,27 @@ def check(x: Tensor, y: Tensor, out: Tensor, form: str, op: str, site: str, phas
           bias: Tensor | None = None, alpha: float = 1.0, beta: float = 1.0, anchor: Tensor | None = None) -> None:
     """Put a check of ``out`` into the graph being traced (or run it, in an eager frame)."""
     torch.ops.sdc_guard.check_gemm(x, y, out, bias, alpha, beta, form, anchor, op, site, phase)
+
+
+#: What ``unverified_ops`` counts, once per backward GEMM (or attention backward), for the
+#: backward of a GEMM an eager frame of the compiled route ran inside a non-reentrant
+#: activation checkpoint (``tapped``).
+CHECKPOINTED_BACKWARD = "backward of a checkpointed eager GEMM"
+
+
+def in_checkpoint_forward() -> bool:
+    """Whether this call runs in the forward of a non-reentrant activation checkpoint
+    (``torch.utils.checkpoint``, ``use_reentrant=False``: its saved-tensor hooks are the
+    innermost ones).
+
+    Why: the checkpoint recomputes that forward during the backward, and the function mode
+    is not on then (a torch function mode is off while its handler runs, and the backward
+    starts in the handler of ``Tensor.backward``): a tap there would save tensors the
+    recomputation does not, which the checkpoint refuses (``CheckpointError``). Such a GEMM
+    is checked in the forward without a tap, and its backward is counted. Reads a private
+    autograd API (``core/torch_private.py``)."""
+    hooks = top_saved_tensors_default_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith("_checkpoint_hook.")
 
 
 # --- the taps --------------------------------------------------------------------------
@@ -188,9 +210,13 @@ def tapped(call: Any, x: Tensor, y: Tensor, kind: str, op: str, site: str, alpha
     matrices, ``bmm`` for batches. ``anchor``: the parameter among the operands (before
     autocast's cast), which names the site at run time."""
     form = KINDS[kind][0]
-    if not (torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)):
+    grads = torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
+    if not grads or in_checkpoint_forward():
         out = call(x, y)
         check(x, y, out, form, op, site, "forward", bias, alpha, beta, anchor)
+        for needed in (x.requires_grad, y.requires_grad) if grads else ():
+            if needed:  # one backward GEMM per operand that needs a gradient
+                unverified(CHECKPOINTED_BACKWARD)
         return out
     backward_op = "bmm" if kind == "batch" and x.dim() > 2 else "mm"
     role = 0 if anchor is None else 1 if anchor is x else 2 if anchor is y else 0

@@ -41,7 +41,9 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from .function_attention import route_sdpa
-from .function_gemm import CheckedGemm, autocast_cast, autocast_dtype, linear_call, parameter_of, tapped
+from .function_gemm import (
+    CheckedGemm, autocast_cast, autocast_dtype, in_checkpoint_forward, linear_call, parameter_of, tapped,
+)
 from .graph_checks import (  # noqa: F401  (set_sink ... module_path: also importable from here)
     CheckSink, add_drill, checks_run, count_check, current_sink, inductor_keeps, keep_in_graph, module_path,
     remove_drill, run_drills, set_sink, unverified,
@@ -111,6 +113,8 @@ def _route_matmul(kind: str) -> Callable:
             return tapped(call, a, b, "batch", "bmm" if a.dim() > 2 else "mm", site, anchor=anchor)
         if kind != "matmul":  # shapes mm / bmm refuse: the call raises as called
             return call(a, b)
+        if in_checkpoint_forward() and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+            return _unrouted(call, (a, b), {}, kind)  # CheckedGemm would save what the recomputation does not
         if b.dim() == 1:  # a matrix or a batch times a vector
             return CheckedGemm.apply(a, b.unsqueeze(-1), site).squeeze(-1)
         if a.dim() == 1:  # a vector times a batch
@@ -245,8 +249,7 @@ def _eager_when_called_eagerly(code: Any) -> bool:
     inlines the handler into that frame's graph. Private dynamo API (torch 2.6 on); returns
     whether it was there."""
     try:
-        from torch._C._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
+        from ..core.torch_private import FrameAction, FrameExecStrategy, set_code_exec_strategy
         set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
     except (ImportError, AttributeError, TypeError):
         return False
@@ -272,8 +275,8 @@ def warn_if_inductor_drops_checks() -> bool | None:
 
 def function_mode_active() -> bool:
     """Whether a ``GemmFunctionMode`` is on this thread's function-mode stack."""
-    from torch.overrides import _get_current_function_mode_stack
-    return any(isinstance(m, GemmFunctionMode) for m in _get_current_function_mode_stack())
+    from ..core.torch_private import get_current_function_mode_stack
+    return any(isinstance(m, GemmFunctionMode) for m in get_current_function_mode_stack())
 
 
 def is_compiled(model: torch.nn.Module) -> bool:
@@ -282,7 +285,7 @@ def is_compiled(model: torch.nn.Module) -> bool:
     then ``protect()`` takes the compiled route from the start."""
     if model in _ran_compiled:
         return True
-    from torch._dynamo.eval_frame import OptimizedModule
+    from ..core.torch_private import OptimizedModule
     return any(isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
                for m in model.modules())
 

@@ -27,16 +27,17 @@ from torch import Tensor
 
 from .attention import AttentionCall
 from .module_names import ModuleNames, run_time_site
+from .intercept import GemmSink
 from .ops import Gemm
 
 
-class CheckSink(Protocol):
-    """What the check ops report to (the ``Guard`` of this thread)."""
+class CheckSink(GemmSink, Protocol):
+    """What the check ops report to (the ``Guard`` of this thread): the dispatch mode's
+    ``GemmSink``, one concept, with the site and phase a graph node already knows, the
+    time spent outside the intake, and the module paths of the compiled graphs' sites."""
 
     def on_gemm(self, gemm: Gemm, site: str | None = None, phase: str | None = None) -> None: ...
     def on_attention(self, call: AttentionCall, site: str | None = None, phase: str | None = None) -> None: ...
-    def on_unverified(self, op: str) -> None: ...
-    def on_write(self, tensors: list[Tensor]) -> None: ...
     def charge(self, seconds: float) -> None: ...
     @property
     def module_names(self) -> ModuleNames: ...
@@ -120,7 +121,8 @@ def keep_in_graph(op: Any) -> None:
         if register is not None:
             register(target)
         else:
-            torch.fx.node._side_effectful_functions.add(target)
+            from ..core.torch_private import side_effectful_functions
+            side_effectful_functions.add(target)
 
 
 #: the library of sdc_guard's check ops (``check_op``)
@@ -156,7 +158,7 @@ def inductor_keeps(op: Any) -> bool | None:
     try:
         from types import SimpleNamespace
 
-        from torch._inductor.ir import FallbackKernel
+        from ..core.torch_private import FallbackKernel
         return bool(FallbackKernel.has_side_effects(SimpleNamespace(op_overload=op.default)))  # type: ignore[arg-type]
     except Exception:
         return None

@@ -58,14 +58,14 @@ def _instrument(graph: fx.Graph) -> int:
 def _source_hash() -> str:
     from pathlib import Path
 
-    from torch._inductor.custom_graph_pass import get_hash_for_files
+    from ..core.torch_private import get_hash_for_files
     here = Path(__file__).parent
     files = tuple(str(here / name) for name in ("graph_pass.py", "graph_ops.py", "graph_checks.py", "ops.py"))
     return get_hash_for_files(files).hex()
 
 
 def _inductor_pass() -> Any:
-    from torch._inductor.custom_graph_pass import CustomGraphPass
+    from ..core.torch_private import CustomGraphPass
 
     class GraphChecks(CustomGraphPass):
         """Inductor's post-grad pre-pass: the graph pass, on a guarded thread."""
@@ -97,8 +97,7 @@ def install() -> None:
         _active += 1
         if _active > 1:
             return
-        import torch._inductor.config as inductor_config
-        from torch._dynamo.backends import debugging
+        from ..core.torch_private import dynamo_debugging_backends as debugging, inductor_config
 
         previous = inductor_config.post_grad_custom_pre_pass
         _saved["inductor"] = previous
@@ -119,8 +118,7 @@ def uninstall() -> None:
         _active -= 1
         if _active:
             return
-        import torch._inductor.config as inductor_config
-        from torch._dynamo.backends import debugging
+        from ..core.torch_private import dynamo_debugging_backends as debugging, inductor_config
 
         inductor_config.post_grad_custom_pre_pass = _saved.pop("inductor", None)
         nop = _saved.pop("boxed_nop", None)

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from ..core.torch_private import DisableTorchFunction
 from .attention import ATTENTION_HANDLERS, AttentionCall, BACKWARD_OP
 from .graph_checks import check_op, count_check, current_sink, resolve_site, run_drills
 from .intercept import current_phase
@@ -138,7 +139,7 @@ def check_node(op: str, tensors: list[Optional[Tensor]], spec: str, outputs: lis
     if sink is None:  # a graph compiled inside protect() and run outside it: nothing to do
         return
     started = time.perf_counter()
-    with torch._C.DisableTorchFunction():  # verification's own ops are not the model's
+    with DisableTorchFunction():  # verification's own ops are not the model's
         func, route = _plan(op)
         args, kwargs = decode_call(spec, tensors)
         out: Any = outputs[0] if len(outputs) == 1 else tuple(outputs)

@@ -38,7 +38,7 @@ from typing import Any, Iterator
 
 import torch
 from torch import fx
-from torch._ops import HigherOrderOperator, OpOverload
+from ..core.torch_private import HigherOrderOperator, OpOverload
 
 from .graph_checks import CheckSink, module_path
 from .graph_ops import Unsupported, encode_call, overload_name

@@ -18,6 +18,7 @@ warns once, counts the GEMM as unverified, and never stops training.
 from __future__ import annotations
 
 import contextlib
+import enum
 import time
 import warnings
 from collections import deque
@@ -25,32 +26,55 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import _disable_current_modes
+from ..core.torch_private import disable_current_modes as _disable_current_modes, dispatch_stack_depth
 
 from .calibration import DEFAULT_EVERY, Replays
 from .cache import WeightCache, persistent_parameters
 from .function_mode import is_compiled, note_compiled
 from .intake import CheckIntake, active_guards
 from .interception import Interception
-from .intercept import GemmInterceptor, SiteTracker, current_phase, module_hook_seconds, round_trip_seconds
-from ..core.precision import check_screen
+from .intercept import SiteTracker, current_phase, module_hook_seconds, round_trip_seconds
 from .ledger import StepLedger
 from .module_names import ModuleNames
-from .report import StepReport
+from ..report import StepReport
 from ..respond.events import resolve_events
 from ..respond.outcome import StepOutcome
 from ..respond.policy import Policy
-from ..respond.responder import Responder
 from .sampling import Full, GradientScreen, Sampler, sampler_screens, sampler_watches
 from ..respond.snapshot import SnapshotStore
 from .stats import ScreenStats
 from .checker import Checker
 from .collective_checks import CollectiveChecks
 from .warn_once import warnings_of
-from .checks import MetricsSink, check_backend, check_guard_arguments, check_metrics_sink, current_rank  # noqa: F401  (also importable here)
+from .config import GuardConfig
+from .checks import MetricsSink, check_backend, check_guard_arguments, check_metrics_sink  # noqa: F401  (also importable here)
+from ..respond.distributed import rank as current_rank  # noqa: F401  (also importable here)
 from .optimizer_steps import OptimizerSteps
+from .guarded_step import GuardedStep
 from .schedule import current_step, set_current_step  # noqa: F401  (also importable here)
 from .schedule import carry_over, note_block_end, note_sampler_begun, sampler_begun, steps_end_blocks, take_carried
+
+
+class Switch(enum.Enum):
+    """The guard's on/off state: whether its interception is on, one value at a time.
+
+    Transitions (all in ``Guard``; others ask through its public methods)::
+
+        OFF --activate--> ON (the open step watched) or IDLE (unwatched)
+        IDLE/ON --begin_step--> ON or IDLE, as the sampler watches the new step
+        ON --pause--> PAUSED --resume--> ON      (a GEMM-free optimizer step, optimizer_steps.py)
+        ON --bare_run--> BARE --(end)--> ON      (a calibration replay's bare run, calibration.py)
+        any --deactivate--> OFF
+
+    Only ``ON`` has the route's modes entered. Whether the step is watched is the
+    sampler's verdict on the step (``Guard.watching``), kept with the step, not here.
+    """
+
+    OFF = "off"  #: not active (outside ``activate`` / ``deactivate``)
+    IDLE = "idle"  #: active, the step unwatched: nothing entered, nothing paid
+    ON = "on"  #: active, the step watched: the route's modes entered
+    PAUSED = "paused"  #: ``ON`` suspended across an optimizer step known to run no GEMM
+    BARE = "bare"  #: ``ON`` suspended for a calibration replay's bare run
 
 
 class Guard(CheckIntake):
@@ -62,28 +86,19 @@ class Guard(CheckIntake):
     def __init__(
         self,
         model: nn.Module,
+        config: GuardConfig | None = None,
         *,
-        sampler: Sampler | None = None,
-        e_max: float | None = None,
-        backend: str | None = None,
-        history: int = 100,
-        cache_bytes: int = 512 << 20,
         rank: int | None = None,
-        policy: Policy | None = None,
         snapshots: SnapshotStore | None = None,
         metrics: MetricsSink | None = None,
-        stats: bool = False,
-        screen: str = "default",
-        compiled: bool | None = None,
-        calibrate_every: int | None = DEFAULT_EVERY,
-        events: Any = None,
-        collectives: bool = True,
+        **options: Any,
     ) -> None:
-        check_guard_arguments(model, sampler=sampler, e_max=e_max, backend=backend, history=history,
-                              cache_bytes=cache_bytes, rank=rank, policy=policy, snapshots=snapshots,
-                              metrics=metrics, stats=stats, compiled=compiled, calibrate_every=calibrate_every,
-                              collectives=collectives)
-        self.screen = check_screen(screen)
+        """``config``, or its fields as keyword arguments ``options`` (``GuardConfig.of``);
+        ``rank``: this process's (default: its rank in the default process group)."""
+        self.config = config = GuardConfig.of(config, **options)
+        check_guard_arguments(model, backend=config.backend, rank=rank, snapshots=snapshots, metrics=metrics)
+        sampler, e_max, backend, compiled = config.sampler, config.e_max, config.backend, config.compiled
+        self.screen = config.screen
         #: the compiled route (docs/COMPILE.md): checks put into the compiled graphs, the
         #: eager frames through the function mode's taps; else the dispatch mode. ``None``
         #: (the default) starts on the dispatch route for a model that is not compiled and
@@ -91,30 +106,29 @@ class Guard(CheckIntake):
         self.compiled = compiled if compiled is not None else is_compiled(model)
         self._compiled_arg = compiled
         #: per-site screen D/T statistics (``protect(stats=True)``), else ``None``
-        self.screen_stats: ScreenStats | None = ScreenStats() if stats else None
+        self.screen_stats: ScreenStats | None = ScreenStats() if config.stats else None
         self.model = model
-        self.policy = policy if policy is not None else Policy()
+        self.policy = config.policy if config.policy is not None else Policy()
         self.snapshots = snapshots
         self.metrics = metrics
         #: structured events (``respond/events.py``): ``events``, else ``$SDC_GUARD_EVENTS``
-        self.events = resolve_events(events, next((p.device for p in model.parameters()), None))
-        self.outcomes: deque[StepOutcome] = deque(maxlen=history)
-        self._responder: Responder | None = None
+        self.events = resolve_events(config.events, next((p.device for p in model.parameters()), None))
+        self.outcomes: deque[StepOutcome] = deque(maxlen=config.history)
+        self._driver: GuardedStep | None = None  #: drives ``optimizer_step`` (runtime/guarded_step.py)
         self._attempt = 0
         self.sampler: Sampler = sampler if sampler is not None else Full()
         self.e_max = e_max
         self.backend = backend
-        self.cache = WeightCache(cache_bytes)
-        self.reports: deque[StepReport] = deque(maxlen=history)
+        self.cache = WeightCache(config.cache_bytes)
+        self.reports: deque[StepReport] = deque(maxlen=config.history)
         self.rank = rank if rank is not None else current_rank()
         self._sites = SiteTracker(model)
         #: module paths by module and parameter, for the compiled route's sites
         self.module_names = ModuleNames(model)
         self._interception = Interception(self)  #: the modes on this guard's thread
-        self._active = False  #: interception asked for (activate/deactivate)
+        self._switch = Switch.OFF  #: the on/off state (``Switch``)
         self._watching = True  #: the open step's GEMMs are to be seen (the sampler's call)
         self._watched_last = False  #: the previous step was watched (its writes were observed)
-        self._paused = False  #: inside an optimizer step known to run no GEMM
         self._optimizers = OptimizerSteps(self)
         self._step_open = False
         self._warned: set[str] = set()
@@ -126,11 +140,11 @@ class Guard(CheckIntake):
         self._gradient_screen: GradientScreen | None = None  #: the open step's, for its report
         self._provisional = False  #: the open step was opened in advance (``begin_step``)
         self._screen_tried = False  #: optimizer_step screened (or tried to) the open step
-        #: calibration replays, driven by ``optimizer_step``'s responder: interception's
+        #: calibration replays, driven by ``optimizer_step`` (``GuardedStep``): interception's
         #: real cost, measured (``sdc_guard.runtime.calibration``)
-        self.replays = Replays(self, calibrate_every)
+        self.replays = Replays(self, config.calibrate_every)
         #: check the step's collectives (``runtime/collective_checks.py``), where they can be
-        self.collectives = collectives
+        self.collectives = config.collectives
         self.collective_checks = CollectiveChecks(self._sites, self.module_names, self._warn_once)
 
     # --- step lifecycle ------------------------------------------------------------------
@@ -197,12 +211,14 @@ class Guard(CheckIntake):
         self.collective_checks.begin(requested=self.collectives and self._watching, compiled=self.compiled,
                                      sampler=self.sampler)
         self._step_open = True
+        if self._switch is not Switch.OFF:
+            self._switch = Switch.ON if self._watching else Switch.IDLE
         self._sync_mode()
         self._sync_optimizer_hooks()
         self._ledger.hook_seconds += time.perf_counter() - started
 
     def charge(self, seconds: float) -> None:
-        """Count ``seconds`` of guard work done outside its hooks (the responder's
+        """Count ``seconds`` of guard work done outside its hooks (``optimizer_step``'s
         bookkeeping, re-encoding updated weights, snapshots) in the guard's cost: to the
         open step, or, between steps, to the next one's report."""
         if self._step_open:
@@ -212,10 +228,10 @@ class Guard(CheckIntake):
 
     @contextlib.contextmanager
     def unintercepted(self) -> Iterator[None]:
-        """The guard's own work (the responder capturing and restoring a step's state):
+        """The guard's own work (``optimizer_step`` capturing and restoring a step's state):
         no dispatch mode sees its ops, so they are neither counted as the model's nor
         charged twice."""
-        if torch._C._len_torch_dispatch_stack() == 0:
+        if dispatch_stack_depth() == 0:
             yield
         else:
             with _disable_current_modes():
@@ -338,10 +354,10 @@ class Guard(CheckIntake):
         if replay_started is not None and (isinstance(replay_started, bool) or not isinstance(replay_started, (int, float))):
             raise TypeError(f"replay_started: expected a time.perf_counter() value or None, "
                             f"got {type(replay_started).__name__} {replay_started!r}")
-        if self._responder is None or self._responder.optimizer is not optimizer:
-            self._responder = Responder(self, optimizer, self.policy, self.snapshots, step_fn)
-            self.snapshots = self._responder.snapshots
-        return self._responder.run(closure, replay=replay, loss=loss, replay_started=replay_started)
+        if self._driver is None or self._driver.optimizer is not optimizer:
+            self._driver = GuardedStep(self, optimizer, self.policy, self.snapshots, step_fn)
+            self.snapshots = self._driver.snapshots
+        return self._driver.run(closure, replay=replay, loss=loss, replay_started=replay_started)
 
     def on_collective(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """Called by the dispatch mode for every collective (``ops.Route.COLLECTIVE``): run
@@ -396,10 +412,10 @@ class Guard(CheckIntake):
 
     def activate(self) -> None:
         """Start intercepting GEMMs (the step lifecycle is separate)."""
-        if self._active:
+        if self._switch is not Switch.OFF:
             raise RuntimeError("this Guard is already active")
         started = time.perf_counter()
-        self._active = True
+        self._switch = Switch.ON if self._watching else Switch.IDLE
         active_guards().append(self)
         self.cache.invalidate()  # whatever was written while inactive went unobserved
         self._sync_optimizer_hooks()
@@ -408,7 +424,7 @@ class Guard(CheckIntake):
 
     def deactivate(self) -> None:
         """Stop intercepting; an open step stays open."""
-        self._active = False
+        self._switch = Switch.OFF
         self._encode_due = False  # the next activation makes every encoding stale anyway
         guards = active_guards()
         if self in guards:
@@ -423,7 +439,7 @@ class Guard(CheckIntake):
     def replayable(self) -> bool:
         """Whether the open step's closure can run once bare for a calibration replay
         (``sdc_guard.runtime.calibration``): the route switches all its checks off while
-        ``replays.bare`` is set (``_sync_mode``) and on again after, and no other mode
+        ``bare_run`` lasts and on again after, and no other mode
         would see both runs. The dispatch route, with its mode the only one on the thread;
         the compiled route not (yet): its graphs are traced with the function mode, and
         leaving it would compile them again without their checks."""
@@ -437,14 +453,65 @@ class Guard(CheckIntake):
         return self._interception.on
 
     @property
-    def _mode(self) -> GemmInterceptor | None:
-        """The dispatch mode while it is entered (calibration replays ask)."""
-        return self._interception.mode
+    def switch(self) -> Switch:
+        """The on/off state (``Switch``)."""
+        return self._switch
 
     @property
     def active(self) -> bool:
         """Whether this guard is active (between ``activate`` and ``deactivate``)."""
-        return self._active
+        return self._switch is not Switch.OFF
+
+    @property
+    def attempt(self) -> int:
+        """The open step's attempt: 0 for its first run, then one per re-execution."""
+        return self._attempt
+
+    @property
+    def ledger(self) -> StepLedger:
+        """The open step's accounts (a calibration replay keeps its timings there)."""
+        return self._ledger
+
+    def op_counts(self) -> tuple[int, int]:
+        """The aten ops intercepted and the module calls tracked so far in the open step,
+        the dispatch mode's uncollected count included (calibration replays pair them)."""
+        return (self._ledger.ops + self._interception.pending_ops,
+                self._ledger.module_calls + self._sites.calls)
+
+    def pause(self) -> bool:
+        """``ON`` -> ``PAUSED``: leave the modes across an optimizer step known to run no
+        GEMM (``runtime/optimizer_steps.py``). Returns whether it paused (not when the
+        interception was not on: unwatched, or a bare run under way)."""
+        if self._switch is not Switch.ON:
+            return False
+        self._switch = Switch.PAUSED
+        self._sync_mode()
+        return True
+
+    def resume(self) -> None:
+        """``PAUSED`` -> ``ON`` (a no-op in any other state: a step or a deactivation
+        since the pause has set the state already)."""
+        if self._switch is Switch.PAUSED:
+            self._switch = Switch.ON
+            self._sync_mode()
+
+    @contextlib.contextmanager
+    def bare_run(self) -> Iterator[None]:
+        """``ON`` -> ``BARE`` -> ``ON``: interception fully off (no mode, no module hooks)
+        for a calibration replay's bare run of the step (``runtime/calibration.py``)."""
+        if self._switch is not Switch.ON:
+            raise RuntimeError(f"bare_run(): interception is {self._switch.value}, not on")
+        self._switch = Switch.BARE
+        self._sites.stop()
+        self._sync_mode()
+        try:
+            yield
+        finally:
+            if self._switch is Switch.BARE:
+                self._switch = Switch.ON
+            if self._watching and not self.compiled:
+                self._sites.start()
+            self._sync_mode()
 
     @property
     def compiled_argument(self) -> bool | None:
@@ -459,8 +526,7 @@ class Guard(CheckIntake):
     def _sync_mode(self) -> None:
         """Enter the modes when active and watching, leave them otherwise
         (``runtime/interception.py``)."""
-        wanted = self._active and self._watching and not self._paused and not self.replays.bare
-        self._ledger.ops += self._interception.sync(wanted)
+        self._ledger.ops += self._interception.sync(self._switch is Switch.ON)
 
     def compiled_code_met(self) -> bool:
         """Called by the dispatch mode when dynamo is about to compile a frame inside the
@@ -474,7 +540,7 @@ class Guard(CheckIntake):
         the GEMMs it verified before (autograd nodes older than now); the eager frames
         are the function mode's from here on. The model is remembered, so its next
         guards start compiled."""
-        if self._compiled_arg is False or self.compiled or not self._active:
+        if self._compiled_arg is False or self.compiled or not self.active:
             return self.compiled
         started = time.perf_counter()
         self.compiled = True
@@ -488,7 +554,7 @@ class Guard(CheckIntake):
         """Optimizer-step hooks only while active and watching: an unwatched step needs
         neither the pause around a GEMM-free optimizer step nor the re-encoding after it
         (the next watched step starts from fresh encodings), so it runs no hook at all."""
-        if self._active and self._watching:
+        if self._switch in (Switch.ON, Switch.PAUSED, Switch.BARE):  # active and watching
             self._optimizers.install()
         else:
             self._optimizers.remove()
@@ -509,8 +575,8 @@ class Guard(CheckIntake):
     def publish(self, method: str, item: Any) -> None:
         """Hand a report or outcome to the metrics sink and the event log (``method``:
         ``"observe_report"`` or ``"observe_outcome"``); a failure there warns once per sink in total, across
-        the per-step ``protect()`` blocks that share it. Public because the responder
-        (``respond/policy.py``) publishes the step's outcome."""
+        the per-step ``protect()`` blocks that share it. Public because ``optimizer_step``'s
+        driver (``runtime/guarded_step.py``) publishes the step's outcome."""
         for sink in (self.metrics, self.events):  # the event log warns for its own target
             if sink is None:
                 continue
@@ -552,6 +618,7 @@ def protect(
     calibrate_every: int | None = DEFAULT_EVERY,
     events: Any = None,
     collectives: bool = True,
+    config: GuardConfig | None = None,
 ) -> Guard:
     """Verify the GEMMs ``model`` runs inside the block, forward and backward.
 
@@ -589,7 +656,9 @@ def protect(
     ``collectives`` (default True): with ``torch.distributed`` initialised, check the
     all-reduces, all-gathers and reduce-scatters of each watched step, what each rank
     received against what was sent (docs/DISTRIBUTED.md, "Collectives"; on the dispatch
-    route, with a sampler that watches the same steps on every rank).
+    route, with a sampler that watches the same steps on every rank);
+    ``config``: these settings (all but ``model``, ``metrics`` and ``snapshots``) as one
+    ``sdc_guard.GuardConfig``, instead of their keywords (``sdc_guard.runtime.config``).
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     >>> with protect(model) as guard:
@@ -597,7 +666,8 @@ def protect(
     >>> r = guard.last_report; (r.seen, r.verified, r.flagged)
     (5, 5, 0)
     """
-    return Guard(model, sampler=sampler, e_max=e_max, backend=backend, history=history,
-                 cache_bytes=cache_bytes, policy=policy, snapshots=snapshots, metrics=metrics, stats=stats,
-                 screen=screen, compiled=compiled, calibrate_every=calibrate_every, events=events,
-                 collectives=collectives)
+    return Guard(model, GuardConfig.of(config, sampler=sampler, e_max=e_max, backend=backend, policy=policy,
+                                       history=history, cache_bytes=cache_bytes, stats=stats, screen=screen,
+                                       compiled=compiled, calibrate_every=calibrate_every, events=events,
+                                       collectives=collectives),
+                 snapshots=snapshots, metrics=metrics)

@@ -44,12 +44,13 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from torch import Tensor
-from torch._C import DispatchKey
-from torch._ops import HigherOrderOperator
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from ..core.torch_private import (
+    TorchDispatchMode, get_current_dispatch_mode_stack, DispatchKey, HigherOrderOperator,
+    current_graph_task_id, tree_leaves,
+)
 
 try:  # set while torch compiles a HOP's eager wrapper (torch 2.13 has it; older releases unchecked)
-    from torch._higher_order_ops.utils import _in_hop_compile
+    from ..core.torch_private import in_hop_compile as _in_hop_compile
     _KNOWS_HOP_COMPILES = True
 except ImportError:  # an older torch: the modes stay visible to dynamo, as they were
     _KNOWS_HOP_COMPILES = False
@@ -169,7 +170,7 @@ def _trackers(mode: TorchDispatchMode) -> list[BranchSites]:
     """The site trackers of ``mode`` and of the modes below it on this thread (a drill
     under the guard): each labels with its own key."""
     found: list[BranchSites] = []
-    for m in (mode, *_get_current_dispatch_mode_stack()):
+    for m in (mode, *get_current_dispatch_mode_stack()):
         sites = getattr(m, "sites", None)  # another library's mode may have none, or another kind
         if callable(getattr(sites, "label_outputs", None)) and all(sites is not s for s in found):
             found.append(sites)
@@ -193,9 +194,9 @@ def _label_for_backward(mode: TorchDispatchMode, inputs: Any, out: Any) -> None:
     outputs, and its backward runs a graph, not modules: label the outputs (their node,
     once the function attaches it) with the running module's site, for the GEMMs of
     that backward."""
-    if torch._C._current_graph_task_id() != -1:
+    if current_graph_task_id() != -1:
         return
-    if any(isinstance(t, Tensor) and t.requires_grad for t in torch.utils._pytree.tree_leaves(inputs)):
+    if any(isinstance(t, Tensor) and t.requires_grad for t in tree_leaves(inputs)):
         for tracker in _trackers(mode):
             tracker.label_outputs(out)
 

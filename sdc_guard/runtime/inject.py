@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+from ..core.torch_private import disable_current_modes, get_current_dispatch_mode_stack
 
 from .collective_faults import CollectiveFault, CollectiveInjection, CollectiveInjector
 from . import fault_models
@@ -219,7 +219,7 @@ def flip_bit(x: Tensor, element: tuple[int, ...], bit: int, direction: str = "fl
     else:
         after_bits = before_bits ^ mask
     before = float(x.detach()[element])
-    with _disable_current_modes():  # as hardware would: no dispatch mode sees the write
+    with disable_current_modes():  # as hardware would: no dispatch mode sees the write
         raw[element] = after_bits
     return before, float(x.detach()[element]), after_bits != before_bits
 
@@ -286,7 +286,7 @@ class FaultInjector(RoutingMode):
         return True
 
     def __enter__(self) -> "FaultInjector":
-        if any(isinstance(m, GemmInterceptor) for m in _get_current_dispatch_mode_stack()) or function_mode_active():
+        if any(isinstance(m, GemmInterceptor) for m in get_current_dispatch_mode_stack()) or function_mode_active():
             raise RuntimeError(
                 "drill(): enter the injector before protect(), e.g. "
                 "`with drill(model, fault), protect(model):`; inside protect() the guard "

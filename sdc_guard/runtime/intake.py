@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import _disable_current_modes
+from ..core.torch_private import disable_current_modes, dispatch_stack_depth, current_graph_task_id
 
 from .attention import AttentionCall, verify as verify_attention
 from .cache import WeightCache, storage_address, storage_addresses
 from .checker import Checker, verifiable
 from .intercept import GLOBAL_SITE, Gemm, SiteTracker, current_phase
-from .report import dtype_name
+from ..report import dtype_name
 from .ledger import Pending, StepLedger
-from .report import KindKey
+from ..report import KindKey
 from .sampling import Sampler, SiteKey
 
 if TYPE_CHECKING:
@@ -130,10 +130,10 @@ class CheckIntake:
         if not self._encode_due:
             return
         self._encode_due = False
-        if torch._C._len_torch_dispatch_stack() == 0:
+        if dispatch_stack_depth() == 0:
             self.cache.refresh()
         else:
-            with _disable_current_modes():  # the encoding's own ops are not the model's
+            with disable_current_modes():  # the encoding's own ops are not the model's
                 self.cache.refresh()
 
     def on_gemm(self, gemm: Gemm, site: str | None = None, phase: str | None = None) -> None:
@@ -159,7 +159,7 @@ class CheckIntake:
         guards = active_guards()
         if not guards or guards[0] is not self:
             return not guards  # no guard registered on this thread: an autograd worker
-        return not any(g._sites.inside() for g in guards[1:])
+        return not any(g.site_tracker.inside() for g in guards[1:])
 
     def _on_gemm(self, gemm: Gemm, module: str | None = None, phase: str | None = None) -> None:
         # Every GEMM of a watched step comes here, right after its kernel has left the
@@ -167,7 +167,7 @@ class CheckIntake:
         # per table, no object beyond the ledger's record).
         backward = None  # given a phase, the site tracker asks the engine itself, as ever
         if phase is None:
-            backward = torch._C._current_graph_task_id() != -1
+            backward = current_graph_task_id() != -1
             phase = "backward" if backward else "forward"
         a, op = gemm.a, gemm.op
         site_name = module if module is not None else self._sites.site(gemm.out, (a, gemm.b), backward)
@@ -188,10 +188,10 @@ class CheckIntake:
         clock = ledger.clock
         started = clock.start_cuda() if cuda else time.perf_counter()
         try:
-            if torch._C._len_torch_dispatch_stack() == 0:  # ours is off while its handler runs
+            if dispatch_stack_depth() == 0:  # ours is off while its handler runs
                 sdc, summary = self.checker.verify(gemm)
             else:
-                with _disable_current_modes():  # modes below ours (a drill, a profiler) too
+                with disable_current_modes():  # modes below ours (a drill, a profiler) too
                     sdc, summary = self.checker.verify(gemm)
         except Exception as exc:  # a monitoring failure never stops training
             self._warn_once(f"verify:{type(exc).__name__}", f"sdc_guard: could not verify a {op} "
@@ -229,7 +229,7 @@ class CheckIntake:
             device = call.site_tensor.device
             began = self._ledger.clock.start(device)
             try:
-                with _disable_current_modes():
+                with disable_current_modes():
                     sdc, summary = verify_attention(call, self.backend)
             except Exception as exc:  # a monitoring failure never stops training
                 self._warn_once(f"verify:{type(exc).__name__}", f"sdc_guard: could not verify an {call.op} call "

@@ -25,7 +25,10 @@ import torch
 from torch import Tensor
 from torch import nn
 from torch.compiler import is_compiling
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from ..core.torch_private import (
+    BaseTorchDispatchMode, disable_current_modes, DisableTorchFunction, current_graph_task_id,
+    current_autograd_node,
+)
 
 from .attention import ATTENTION_HANDLERS, AttentionCall
 from .hops import ModuleRef, branch_modules, hidden_from_dynamo
@@ -41,7 +44,7 @@ GLOBAL_SITE = "global"
 
 def current_phase() -> str:
     """``"backward"`` while the autograd engine runs a backward pass, else ``"forward"``."""
-    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+    return "backward" if current_graph_task_id() != -1 else "forward"
 
 
 class SiteTracker:
@@ -167,9 +170,9 @@ class SiteTracker:
         modules = branch_modules()
         if modules and self._branch_site(modules) is not None:
             return True
-        if torch._C._current_graph_task_id() == -1:
+        if current_graph_task_id() == -1:
             return False
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         return node is not None and node.metadata.get(self._key, GLOBAL_SITE) != GLOBAL_SITE
 
     def site(self, out: Tensor, operands: tuple[Tensor, ...], backward: bool | None = None) -> str:
@@ -184,9 +187,9 @@ class SiteTracker:
             stack = self._stacks.get(threading.get_ident())
             if not stack:
                 if backward is None:
-                    backward = torch._C._current_graph_task_id() != -1
+                    backward = current_graph_task_id() != -1
                 if backward:  # a backward GEMM
-                    node = torch._C._current_autograd_node()
+                    node = current_autograd_node()
                     return node.metadata.get(self._key, GLOBAL_SITE) if node is not None else GLOBAL_SITE
                 site = GLOBAL_SITE
             else:  # a forward, or one recomputed by activation checkpointing during backward
@@ -197,11 +200,6 @@ class SiteTracker:
                     self._pending.append((out, site))
                 break
         return site
-
-
-class _EmptyMode(TorchDispatchMode):
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        return func(*args, **(kwargs or {}))
 
 
 _round_trip: list[float] = []
@@ -216,7 +214,7 @@ def round_trip_seconds() -> float:
     Measured with every mode on the stack set aside (the guard's own among them: it is
     first called while a step closes), so that neither side runs under one."""
     if not _round_trip:
-        with _disable_current_modes():
+        with disable_current_modes():
             _round_trip.append(_measure_round_trip())
     return _round_trip[0]
 
@@ -234,7 +232,7 @@ def _measure_round_trip() -> float:
         return times[len(times) // 2]
 
     bare = median_call()
-    with _EmptyMode():
+    with BaseTorchDispatchMode():  # torch's mode that only runs each op
         moded = median_call()
     return max(0.0, moded - bare)
 
@@ -273,7 +271,9 @@ def module_hook_seconds() -> float:
 
 
 class GemmSink(Protocol):
-    """What the mode reports to (the ``Guard``)."""
+    """What an interception route reports each call to: the ``Guard``'s intake
+    (``runtime/intake.py``, ``CheckIntake``). The dispatch mode needs these four; the
+    compiled route's check ops need a little more (``graph_checks.CheckSink``)."""
 
     def on_gemm(self, gemm: Gemm) -> None: ...
     def on_attention(self, call: AttentionCall) -> None: ...
@@ -364,9 +364,9 @@ class GemmInterceptor(RoutingMode):
         self._cutoff = cutoff
 
     def _retired_here(self) -> bool:
-        if torch._C._current_graph_task_id() == -1:
+        if current_graph_task_id() == -1:
             return True
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         return node is None or node._sequence_nr() >= self._cutoff  # type: ignore[operator]
 
     def after(self, func: Any, route: Route, args: tuple, kwargs: dict, out: Any) -> None:
@@ -412,6 +412,6 @@ class GemmInterceptor(RoutingMode):
 def autograd_sequence_number() -> int:
     """The sequence number autograd gives the next node made on this thread (nodes made
     before have smaller ones): read off a node made for it, with every mode set aside."""
-    with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.enable_grad():
+    with disable_current_modes(), DisableTorchFunction(), torch.enable_grad():
         node = torch.zeros((), requires_grad=True).view(()).grad_fn
     return node._sequence_nr() if node is not None else 0

@@ -21,10 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch.overrides import _get_current_function_mode
-from torch.utils._python_dispatch import _get_current_dispatch_mode
-
+from ..core.torch_private import dispatch_stack_depth, get_current_dispatch_mode, get_current_function_mode
 from . import graph_install
 from .function_mode import GemmFunctionMode, set_sink
 from .intercept import GemmInterceptor, autograd_sequence_number
@@ -62,8 +59,8 @@ class Interception:
         """Whether the dispatch mode is on and the only dispatch mode of the thread: then
         leaving it and entering it again around a bare run (a calibration replay) leaves
         no other mode that would see both runs."""
-        return (self.mode is not None and torch._C._len_torch_dispatch_stack() == 1
-                and _get_current_dispatch_mode() is self.mode)
+        return (self.mode is not None and dispatch_stack_depth() == 1
+                and get_current_dispatch_mode() is self.mode)
 
     def sync(self, wanted: bool) -> int:
         """Enter the modes the guard's route needs when ``wanted``, leave them otherwise;
@@ -78,7 +75,7 @@ class Interception:
             self.mode = self.interceptor
             self.mode.__enter__()
         elif not want_dispatch and self.mode is not None and (
-                not g.active or self.mode is _get_current_dispatch_mode()):
+                not g.active or self.mode is get_current_dispatch_mode()):
             self.mode.__exit__(None, None, None)
             ops, self.mode.ops = self.mode.ops, 0
             self.mode.retire(None)
@@ -87,7 +84,7 @@ class Interception:
             self.function_mode = GemmFunctionMode(compiled=g.compiled)
             self.function_mode.__enter__()
         elif not want_function and self.function_mode is not None and (
-                not g.active or self.function_mode is _get_current_function_mode()):
+                not g.active or self.function_mode is get_current_function_mode()):
             self.function_mode.__exit__(None, None, None)
             self.function_mode = None
         self._sync_sink(want_function and g.compiled)
@@ -123,6 +120,11 @@ class Interception:
             self.retiring = True
         if self.function_mode is not None:
             self.function_mode.compiled = True
+
+    @property
+    def pending_ops(self) -> int:
+        """The ops the dispatch mode has counted and not yet handed over (``take_ops``)."""
+        return self.mode.ops if self.mode is not None else 0
 
     def take_ops(self) -> int:
         """The ops the dispatch mode counted so far (the count starts again)."""

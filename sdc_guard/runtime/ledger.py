@@ -17,7 +17,7 @@ from torch import Tensor
 from ..core.summary import SUMMARY, clear_summary, summarize  # noqa: F401  (re-exported)
 from ..core.precision import SEGMENT
 from .calibration import Calibration, Pair, Replay
-from .report import Detection, GemmCounts, KindKey, StepReport
+from ..report import Detection, GemmCounts, KindKey, StepReport
 from .sampling import SiteKey, StepCosts
 from .stats import ScreenStats
 

@@ -44,9 +44,10 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor
-from torch._C import DispatchKey
-from torch._ops import HigherOrderOperator
-from torch.utils._python_dispatch import TorchDispatchMode
+from ..core.torch_private import (
+    TorchDispatchMode, DispatchKey, dispatch_has_kernel_for_dispatch_key, dispatch_keys,
+    dispatch_keyset_full_after, HigherOrderOperator, FAKE_TENSOR_MODULE,
+)
 
 from .collective_ops import collective_packets
 from .hops import (  # noqa: F401  (reentered: its former home is here)
@@ -206,7 +207,7 @@ def _is_composite_implicit(func: Any) -> bool:
     if DispatchKey.CompositeImplicitAutograd in func.py_kernels:
         return True
     try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), DispatchKey.CompositeImplicitAutograd)
+        return dispatch_has_kernel_for_dispatch_key(func.name(), DispatchKey.CompositeImplicitAutograd)
     except RuntimeError:  # an overload only Python knows
         return False
 
@@ -219,11 +220,11 @@ def redispatch_below_python(func: Any, args: tuple, kwargs: dict) -> Any:
     for value in (*args, *kwargs.values()):
         for t in (value if isinstance(value, (list, tuple)) else (value,)):
             if isinstance(t, Tensor):
-                own = torch._C._dispatch_keys(t)
+                own = dispatch_keys(t)
                 keys = own if keys is None else keys | own
     if keys is None:  # no tensor argument: nothing to dispatch on below the mode
         return func(*args, **kwargs)
-    return func.redispatch(keys & torch._C._dispatch_keyset_full_after(DispatchKey.Python), *args, **kwargs)
+    return func.redispatch(keys & dispatch_keyset_full_after(DispatchKey.Python), *args, **kwargs)
 
 
 def defer_to_dtensor(types: Any) -> bool:
@@ -240,7 +241,7 @@ def on_fake_tensors(types: Any) -> bool:
     """Whether this call computes on ``FakeTensor`` s (no data: ``DTensor``'s sharding
     propagation runs each new op once on fake tensors, with the mode still on the stack):
     a mode runs it and accounts nothing."""
-    return _any_subclass(types, "torch._subclasses.fake_tensor", "FakeTensor")
+    return _any_subclass(types, FAKE_TENSOR_MODULE, "FakeTensor")
 
 
 def _any_subclass(types: Any, module: str, name: str) -> bool:

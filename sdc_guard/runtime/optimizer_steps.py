@@ -42,6 +42,8 @@ class OptimizerSteps:
         #: step runs the hooks twice, and only the outer call is the optimizer step
         self._depth: dict[int, int] = {}
         self._handles: list[Any] = []
+        #: optimizers whose step this object paused the guard for (``Guard.pause``)
+        self._paused: set[int] = set()
 
     def install(self) -> None:
         if not self._handles:
@@ -57,7 +59,7 @@ class OptimizerSteps:
         """Forget steps in progress: an optimizer step that raised never ran its post-hook."""
         self._depth.clear()
         self._seen_before.clear()
-        self.guard._paused = False
+        self._paused.clear()  # the guard's begin_step sets its state itself
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         depth = self._depth.get(id(optimizer), 0)
@@ -66,8 +68,8 @@ class OptimizerSteps:
             return
         guard = self.guard
         if optimizer in _gemmless:
-            guard._paused = True
-            guard._sync_mode()
+            if guard.pause():
+                self._paused.add(id(optimizer))
         elif optimizer not in _learned and guard.intercepting:
             # the step may be closed already (``Guard.optimizer_step`` steps the optimizer
             # after reporting): the count of GEMMs seen still moves if it runs any
@@ -81,9 +83,10 @@ class OptimizerSteps:
         guard = self.guard
         # foreach and fused optimizers write parameters without bumping their versions
         guard.refresh_weights([p for group in optimizer.param_groups for p in group["params"]])
-        if guard._paused:
-            guard._paused = False
-            guard._sync_mode()
+        if optimizer in _gemmless:
+            if id(optimizer) in self._paused:
+                self._paused.discard(id(optimizer))
+                guard.resume()
             return
         before = self._seen_before.pop(id(optimizer), None)
         if before is not None:

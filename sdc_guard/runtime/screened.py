@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..core.torch_private import foreach_norm
 from .budget import Budget  # noqa: F401  (the doctests' namespace)
 from .gradient_stats import NO_REFERENCE, ZERO_DELTA, Deviations, NormStatistics
 from .sampler_base import Sampler, SiteKey, StepCosts, check_sampler, sampler_shared, sampler_watches, _check_weight
@@ -270,7 +271,7 @@ def _norms(grads: list[Tensor]) -> Tensor:
     """Every gradient's 2-norm as one float32 vector, in one fused pass per device and dtype."""
     if not grads:
         return torch.zeros(0)
-    norms = torch._foreach_norm(grads)
+    norms = foreach_norm(grads)
     device = norms[0].device
     if all(n.device == device and n.dtype == torch.float32 for n in norms):
         return torch.stack(norms)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from ..core.torch_private import TorchDispatchMode
 
 from .bench_common import FP16_NOTE, SHORT_NAME, Outcome, Progress, machine, resolve_device, shape_label, table
 from ..backends import GemmRequest, TorchBackend

@@ -1,6 +1,6 @@
 """``sdc-guard bench detect``: which corruptions V-ABFT catches, by bit and by magnitude.
 
-One number would hide the physics (VABFT.md, "What it can and cannot see"): an error far
+One number would hide the physics (docs/ALGORITHM.md, "What it can see"): an error far
 above a segment's rounding noise is always caught, one below it never is, at zero false
 positives. So detection is reported
 

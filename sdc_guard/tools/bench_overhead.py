@@ -59,7 +59,6 @@ SHAPE_GROUPS: dict[str, list[tuple[int, int, int]]] = {
 #: Groups the proposal runs in one dtype only: its MOE gate is fp32.
 GROUP_DTYPES: dict[str, tuple[torch.dtype, ...]] = {"moe_gate": (torch.float32,)}
 
-COLUMNS = ("cold", "warm", "verify_matmul", "matmul_checksum", "legacy", "recompute")
 #: The one-call functions must cost at most this times ``cold``, or ``ONE_CALL_SLACK`` more.
 ONE_CALL_RATIO = 1.2
 ONE_CALL_SLACK = 20e-6

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from ..core.torch_private import TorchDispatchMode
 
 from .bench_models import PRECISIONS, build
 

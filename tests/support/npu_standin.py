@@ -10,7 +10,7 @@ only be tested for its "unavailable" branch. This module follows the operator's 
 - output uint8 ``[ceil(M/8) * ceil(N/256)]``, byte ``s * ceil(M/8) + m // 8``, bit
   ``m % 8`` (segment-major, LSB first), 1 = OK, and padding bits that are garbage
   (random here, so a decoder that forgets to mask them fails often);
-- the check itself is the float64 reference of VABFT.md, with ``T_abs`` from the tiny of
+- the check itself is the float64 reference of docs/ALGORITHM.md ("The NPU operator"), with ``T_abs`` from the tiny of
   ``c``'s dtype (float32 by contract) and without sdc_guard's own round-off floor.
 
 Every call is recorded (the tensors as passed, their contiguity, ``e_max``, the stream

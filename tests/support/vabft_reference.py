@@ -9,9 +9,9 @@ Two readings of the specification had to be made; both are stated where they are
 
 - ``alpha`` scales the variance-adaptive part of ``T`` by ``|alpha|`` (the threshold
   bounds the rounding of ``alpha * (A @ B)``); the underflow floor ``T_abs`` is not scaled.
-  VABFT.md says how ``alpha`` enters ``D`` but not ``T``.
+  The V-ABFT paper says how ``alpha`` enters ``D`` but not ``T`` (docs/ALGORITHM.md, "The question").
 - the bias rounding term weighs each column by ``|r[n]|``: ``2 u_C sum |beta r[n] bias|``.
-  VABFT.md writes ``sum |beta * bias|``; the two coincide for the default all-ones ``r``,
+  The paper writes ``sum |beta * bias|``; the two coincide for the default all-ones ``r``,
   and only the weighted form bounds the rounding of ``sum r * out`` when ``|r| > 1``.
 
 ``roundoff_floor=True`` is sdc_guard's screen (docs/ALGORITHM.md), with its documented
@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-#: Columns per checksum segment (VABFT.md, "Checksum").
+#: Columns per checksum segment (docs/ALGORITHM.md, "Checksum").
 SEGMENT = 256
 #: Robustness constant ``c`` of the shipping NPU operator's threshold.
 C_ROBUST = 4.0

@@ -21,6 +21,7 @@ FORMER = {
     "sdc_guard.legacy": "sdc_guard.core.legacy",
     "sdc_guard.toy_gpt": "sdc_guard.tools.toy_gpt",
     "sdc_guard.core.verify": "sdc_guard.verify",
+    "sdc_guard.runtime.report": "sdc_guard.report",
 }
 
 
@@ -58,8 +59,10 @@ def test_former_path_in_a_fresh_process() -> None:
 
 
 # --- the import graph of the package's sources (sdc_guard/), read
-# with ast: every import statement, at module level or inside a function, except those under
-# ``if TYPE_CHECKING:`` (annotations only: never executed)
+# with ast: every import statement, at module level or inside a function; those under
+# ``if TYPE_CHECKING:`` (annotations only: never executed) count between subpackages (a
+# layer names no type of a layer above it either) and are left out between the modules
+# of one subpackage (a module's type hints may name the class that owns it)
 
 from paths import ROOT  # noqa: E402
 
@@ -81,22 +84,25 @@ def source_modules() -> dict[str, tuple[Path, bool]]:
     return mods
 
 
-def _executed_imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+def _executed_imports(tree: ast.AST, type_checking: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The import statements of ``tree``; those under ``if TYPE_CHECKING:`` only with
+    ``type_checking``."""
     for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) and not type_checking:
             for child in node.orelse:
                 yield from _executed_imports(ast.Module(body=[child], type_ignores=[]))
             continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        yield from _executed_imports(node)
+        yield from _executed_imports(node, type_checking)
 
 
-def imports_of(name: str, path: Path, is_pkg: bool) -> list[tuple[str, str | None, int]]:
-    """(module imported, name taken from it or ``None``, line) for each import in ``path``;
-    ``from pkg import sub`` of a submodule counts as importing ``pkg.sub``."""
+def imports_of(name: str, path: Path, is_pkg: bool, type_checking: bool = False) -> list[tuple[str, str | None, int]]:
+    """(module imported, name taken from it or ``None``, line) for each import in ``path``
+    (with ``type_checking``, those under ``if TYPE_CHECKING:`` too); ``from pkg import
+    sub`` of a submodule counts as importing ``pkg.sub``."""
     out = []
-    for node in _executed_imports(ast.parse(path.read_text(), str(path))):
+    for node in _executed_imports(ast.parse(path.read_text(), str(path)), type_checking):
         if isinstance(node, ast.Import):
             out += [(alias.name, None, node.lineno) for alias in node.names]
             continue
@@ -114,13 +120,14 @@ def unit(module: str) -> str:
     return ".".join(parts[:2]) if len(parts) > 1 and parts[1] in UNITS else module
 
 
-def import_graph() -> dict[str, dict[str, int]]:
-    """Module -> {source module it imports: first line}."""
+def import_graph(type_checking: bool = False) -> dict[str, dict[str, int]]:
+    """Module -> {source module it imports: first line} (``type_checking``: counting the
+    imports under ``if TYPE_CHECKING:``)."""
     mods = source_modules()
     graph: dict[str, dict[str, int]] = {}
     for name, (path, is_pkg) in mods.items():
         edges = graph.setdefault(name, {})
-        for target, taken, line in imports_of(name, path, is_pkg):
+        for target, taken, line in imports_of(name, path, is_pkg, type_checking):
             full = f"{target}.{taken}" if taken else target
             if full in EXTENSIONS:
                 continue
@@ -172,6 +179,7 @@ def test_cycle_finder_finds_a_function_level_cycle() -> None:
     code = "def f():\n    from .b import g\nif TYPE_CHECKING:\n    from .c import h\n"
     tree = ast.parse(code)
     assert [node.module for node in _executed_imports(tree)] == ["b"]
+    assert [node.module for node in _executed_imports(tree, type_checking=True)] == ["b", "c"]
 
 
 def test_no_import_cycle_between_modules() -> None:
@@ -182,11 +190,12 @@ def test_no_import_cycle_between_modules() -> None:
 
 
 def test_no_import_cycle_between_subpackages() -> None:
-    """The layers: core <- kernels <- backends <- runtime <- respond ... (no subpackage
-    imports one that imports it back). The package's ``__init__`` (the public facade, which
-    imports every layer) is left out."""
+    """The layers: core <- kernels <- backends <- respond <- runtime ... (no subpackage
+    imports one that imports it back), counting every import, those under ``if
+    TYPE_CHECKING:`` too: the response side names no type of the guard's. The package's
+    ``__init__`` (the public facade, which imports every layer) is left out."""
     graph: dict[str, dict[str, int]] = {}
-    for a, edges in import_graph().items():
+    for a, edges in import_graph(type_checking=True).items():
         for b, line in edges.items():
             if "sdc_guard" not in (a, b) and unit(a) != unit(b):
                 graph.setdefault(unit(a), {}).setdefault(unit(b), line)
@@ -256,3 +265,73 @@ def test_the_repository_root_holds_one_importable_package() -> None:
     assert packages == ["sdc_guard"]
     plain = sorted(p.stem for p in ROOT.glob("*.py"))
     assert plain == ["setup"]
+
+
+# --- each object owns its state: ``x._name`` is read or written only by the class that
+# defines ``_name`` (on ``self``, ``cls`` or another instance of that class)
+
+def _class_private_attributes(tree: ast.AST) -> dict[str, set[str]]:
+    """Class name -> the private attributes its body defines: methods, class-level names,
+    and ``self._x = ...`` / ``cls._x = ...`` assignments in its methods."""
+    out: dict[str, set[str]] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        names = out.setdefault(node.name, set())
+        for item in node.body:
+            if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(item.name)
+            elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                names.add(item.target.id)
+            elif isinstance(item, ast.Assign):
+                names.update(t.id for t in item.targets if isinstance(t, ast.Name))
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store) \
+                    and isinstance(sub.value, ast.Name) and sub.value.id in ("self", "cls"):
+                names.add(sub.attr)
+    return {cls: {n for n in names if _private(n)} for cls, names in out.items()}
+
+
+def foreign_private_accesses(trees: dict[str, ast.AST]) -> list[str]:
+    """``x._name`` (read or written) where ``x`` is not ``self`` / ``cls`` and no class
+    enclosing the access defines ``_name``, for the ``_name``s a class of the package
+    defines: another object's private state. Names no class of ours defines (torch's
+    ``Tensor._version``, ``OpOverload._schema``, a module's private function) are not
+    the package's objects' state and are left to other checks."""
+    owned: dict[str, set[str]] = {}
+    for tree in trees.values():
+        for cls, names in _class_private_attributes(tree).items():
+            owned.setdefault(cls, set()).update(names)
+    ours = set().union(*owned.values())
+    bad = []
+
+    def visit(node: ast.AST, module: str, enclosing: tuple[str, ...]) -> None:
+        if isinstance(node, ast.ClassDef):
+            enclosing = (*enclosing, node.name)
+        if isinstance(node, ast.Attribute) and node.attr in ours and not (
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")) \
+                and not any(node.attr in owned.get(cls, ()) for cls in enclosing) \
+                and not ast.unparse(node.value).startswith("torch"):
+            bad.append(f"{module}:{node.lineno} {ast.unparse(node)}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, module, enclosing)
+
+    for module, tree in trees.items():
+        visit(tree, module, ())
+    return bad
+
+
+def test_private_state_finder_can_fail() -> None:
+    code = ("class A:\n    def __init__(self):\n        self._x = 1\n    def same(self, other):\n"
+            "        return other._x\n"
+            "class B:\n    def poke(self, a):\n        a._x = 2\n        return a._y\n"
+            "def f(a):\n    return a._x, a._version\n")
+    assert foreign_private_accesses({"m": ast.parse(code)}) == ["m:8 a._x", "m:11 a._x"]
+
+
+def test_no_object_touches_another_objects_private_state() -> None:
+    """Across the whole package (not only across subpackages): what one object needs of
+    another is a public method or property of it (``Guard.attempt``, ``Guard.pause``...)."""
+    trees = {name: ast.parse(path.read_text(), str(path)) for name, (path, _) in source_modules().items()}
+    bad = foreign_private_accesses(trees)
+    assert not bad, "private state touched from outside its class: " + "; ".join(bad)

@@ -397,7 +397,7 @@ def assert_same_verdict(npu: Verdict, torch_: Verdict) -> None:
 
 @pytest.mark.parametrize("case", list(_agreement_cases()))
 def test_npu_and_torch_verdicts_agree(bridge: Bridge, case: str) -> None:
-    """The same ``e_max`` means the same thing on both backends (VABFT.md)."""
+    """The same ``e_max`` means the same thing on both backends (docs/ALGORITHM.md, "The NPU operator")."""
     a, b, c = _agreement_cases()[case]()
     assert_same_verdict(verify_matmul(a, b, c, backend="npu"), verify_matmul(a, b, c, backend="torch"))
 
@@ -408,7 +408,7 @@ def test_matmul_checksum_agrees_between_backends(
 ) -> None:
     """The synchronisation-free drop-in must flag the same anomalies on both paths: a NaN
     or Inf planted in C (an exponent-bit SDC) is corruption, not an overflow, when the
-    inputs are small (VABFT.md: "Inf, NaN ... is always caught")."""
+    inputs are small (docs/ALGORITHM.md, "What it can see": "Inf, NaN ... is always caught")."""
     a, b, c = _agreement_cases()[case]()
     answers = {}
     for name in ("npu", "torch"):

@@ -1,4 +1,4 @@
-"""The torch backend (``sdc_guard.core.abft.vabft_check``) computes VABFT.md: checked in float64.
+"""The torch backend (``sdc_guard.core.abft.vabft_check``) computes docs/ALGORITHM.md: checked in float64.
 
 ``tests/vabft_reference.py`` implements the specification a second time, in float64
 NumPy and without sdc_guard's code. The torch backend must agree with it:
@@ -6,8 +6,8 @@ NumPy and without sdc_guard's code. The torch backend must agree with it:
 - ``T`` to a relative ``T_RTOL = 1e-5``: both sides evaluate the same formula on the same
   statistics; fp32 rounding of those statistics is ~1e-7 relative (measured <= 2e-7).
 - ``D`` to ``D_RTOL = 1e-5`` relative plus the worst-case fp32 accumulation error of the
-  three sums that make it (``(n + 2) u_32 sum |terms|``): VABFT.md allows ``D`` to be
-  "accumulated in fp32 or wider", so the bound is part of the specification, not slack.
+  three sums that make it (``(n + 2) u_32 sum |terms|``): docs/ALGORITHM.md ("Checksum") has ``D``
+  accumulated in fp32 sums, so the bound is part of the specification, not slack.
   Where every sum is exact (integer-valued data) ``D`` must agree exactly.
 - the OK bits exactly, on inputs whose ``D / T`` keeps clear of 1 (asserted).
 
@@ -69,7 +69,7 @@ def signed_weight(n: int, seed: int) -> Tensor:
 def accumulation_bound(a: Tensor, b: Tensor, c: Tensor, weight: Tensor | None, *,
                        bias: Tensor | None = None, alpha: float = 1.0,
                        beta: float = 1.0) -> np.ndarray:
-    """Worst-case error ``[M, nseg]`` of computing ``D`` with fp32 sums (VABFT.md allows it).
+    """Worst-case error ``[M, nseg]`` of computing ``D`` with fp32 sums (as docs/ALGORITHM.md, "Checksum", has it).
 
     Each of the three sums in ``D`` (``sum r C``, ``A @ Br`` with ``Br`` itself a sum, and
     ``sum r bias``) is off by at most ``(terms + 2) u_32 sum |terms|``.
@@ -260,7 +260,7 @@ def test_fp32_threshold_stays_finite_for_large_finite_inputs() -> None:
     """Inputs of magnitude 1e9 give products ~3e19, far inside fp32; T must stay finite.
 
     The reference's T is ~6e16. A threshold that overflows to inf passes every C, even
-    an Inf planted in it, which VABFT.md says is always caught (D non-finite = error).
+    an Inf planted in it, which docs/ALGORITHM.md ("What it can see") says is always caught (D non-finite = error).
     The threshold reads C for its rounding, so the segment holding the planted Inf has an
     infinite T, and is flagged all the same: its D is not finite.
     """

@@ -281,3 +281,120 @@ def test_sticky_fault_without_filters_hits_2d_and_batched_gemms() -> None:
     ranks = {len(i.element) for i in faults.injections}
     assert ranks == {2, 3}  # mm/addmm outputs and bmm outputs, each at its own fixed position
     assert len(faults.injections) == 7  # every forward GEMM: qkv, proj, fc1, fc2, head, and two bmm
+
+
+# --- the responder is a passive decider: facts in, a Decision out (respond/responder.py)
+
+def test_responder_state_machine_detection_transitions() -> None:
+    """RAN -> TRIAGE -> DONE, with the policy's escalation: every arrow of the docstring's
+    detection half, asked with facts alone (no guard, model or optimizer exists here)."""
+    from sdc_guard.respond.outcome import EXIT_COLLECTIVE, EXIT_PERSISTENT, EXIT_TRANSIENT, Triage
+    from sdc_guard.respond.responder import Act, Responder, State
+
+    responder = Responder(Policy(reruns=2, window=10))
+    clean = responder.first_run(3, flagged=[], tripped=[], rerunnable=False)
+    assert (clean.state, clean.act, clean.action, clean.classification) == (State.DONE, Act.STEP, None, None)
+    triage = responder.first_run(3, flagged=[1], tripped=[], rerunnable=True)
+    assert (triage.state, triage.act, triage.reruns, triage.classification) == \
+        (State.TRIAGE, Act.RERUN, 2, "unconfirmed")
+    transient = responder.after_reruns(triage, 3, Triage.TRANSIENT, [1])
+    assert (transient.act, transient.action, transient.classification, transient.resolved) == \
+        (Act.STEP, "recompute", "transient", True)
+    first = responder.after_reruns(triage, 3, Triage.PERSISTENT, [1])
+    assert (first.act, first.classification) == (Act.ROLLBACK, "persistent")
+    again = responder.after_reruns(triage, 9, Triage.PERSISTENT, [1])  # within the window
+    assert (again.act, again.exit_code, again.link_exit_code) == (Act.EXIT, EXIT_PERSISTENT, EXIT_COLLECTIVE)
+    assert responder.policy.persistent_steps == [3, 9]
+    nondet = responder.after_reruns(triage, 30, Triage.NON_DETERMINISTIC, [1])
+    assert (nondet.act, nondet.resolved, nondet.classification) == (Act.SKIP, True, "non_deterministic")
+    # recompute impossible (GEMMs outside the closure): skip, unconfirmed
+    outside = responder.first_run(4, flagged=[0], tripped=[], rerunnable=False)
+    assert (outside.state, outside.act, outside.action, outside.classification) == \
+        (State.DONE, Act.SKIP, "skip", "unconfirmed")
+    exits = Responder(Policy(on_detection="exit")).first_run(5, flagged=[0], tripped=[], rerunnable=True)
+    assert (exits.act, exits.exit_code, exits.link_exit_code) == (Act.EXIT, EXIT_TRANSIENT, None)
+    logs = Responder(Policy(on_detection="log")).first_run(5, flagged=[0], tripped=[], rerunnable=True)
+    assert (logs.act, logs.resolved) == (Act.LOG, False)
+    with pytest.raises(ValueError, match="pending: expected a RERUN decision"):
+        responder.after_reruns(clean, 3, Triage.TRANSIENT, [])
+
+
+def test_responder_state_machine_screen_transitions() -> None:
+    """RAN -> RESCREEN -> DONE for a tripped gradient screen, and the unresolved trip."""
+    from sdc_guard.respond.outcome import Triage
+    from sdc_guard.respond.responder import Act, Responder, State
+
+    responder = Responder(Policy())
+    rescreen = responder.first_run(7, flagged=[], tripped=[0], rerunnable=True)
+    assert (rescreen.state, rescreen.act, rescreen.classification) == (State.RESCREEN, Act.RERUN, None)
+    miss = responder.after_reruns(rescreen, 7, Triage.CLEAN, [0])
+    assert (miss.act, miss.screen, miss.classification, miss.screen_with_gradients) == (Act.STEP, "miss", None, False)
+    transient = responder.after_reruns(rescreen, 7, Triage.TRANSIENT, [0])
+    assert (transient.act, transient.action, transient.screen, transient.screen_with_gradients) == \
+        (Act.STEP, "recompute", "transient", True)
+    persistent = responder.after_reruns(rescreen, 7, Triage.PERSISTENT, [0])
+    assert (persistent.act, persistent.screen) == (Act.ROLLBACK, "persistent")
+    unresolved = responder.first_run(8, flagged=[], tripped=[0], rerunnable=False)
+    assert (unresolved.act, unresolved.screen, unresolved.classification) == (Act.SKIP, "unresolved", "unconfirmed")
+    logged = Responder(Policy(on_detection="log")).after_reruns(rescreen, 7, Triage.TRANSIENT, [0])
+    assert (logged.act, logged.action) == (Act.LOG, "log")
+
+
+def test_triage_classification_is_a_pure_function_of_the_runs() -> None:
+    from sdc_guard.respond.outcome import Triage
+    from sdc_guard.respond.responder import classify_detection, classify_rescreen
+
+    a, b = [torch.ones(2)], [torch.zeros(2)]
+    flagged = frozenset({("fc", "forward", "mm", (0,), (0,))})
+    assert classify_detection(flagged, [frozenset()], []) == Triage.TRANSIENT
+    assert classify_detection(flagged, [frozenset(), frozenset()], [a, b]) == Triage.NON_DETERMINISTIC
+    assert classify_detection(flagged, [flagged], []) == Triage.PERSISTENT
+    assert classify_detection(frozenset(), [frozenset()], []) == Triage.CLEAN
+    assert classify_rescreen(a, [frozenset()], [], a) == Triage.CLEAN
+    assert classify_rescreen(a, [frozenset()], [], b) == Triage.TRANSIENT
+    assert classify_rescreen(a, [flagged, flagged], [a, a], a) == Triage.PERSISTENT
+
+
+def test_the_guards_on_off_state_is_one_switch() -> None:
+    """``Guard.switch`` walks OFF -> ON -> PAUSED (a GEMM-free optimizer step, the second
+    time the optimizer steps) -> ON -> BARE (a bare run) -> ON -> OFF, and IDLE on a step
+    the sampler does not watch; the dispatch mode is entered exactly in ON."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from sdc_guard.runtime.guard import Switch
+    from sdc_guard.runtime.sampling import EveryN
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = sdc_guard.protect(model)
+    assert guard.switch is Switch.OFF and not guard.active
+    seen: list[tuple[Switch, bool]] = []
+    with guard:  # the guard's optimizer-step hooks come first: this one sees what they did
+        handle = register_optimizer_step_pre_hook(lambda *_: seen.append((guard.switch, guard.intercepting)))
+        try:
+            for _ in range(2):
+                seen.append((guard.switch, guard.intercepting))
+                model(torch.randn(2, 4)).sum().backward()
+                opt.step()
+                guard.step()
+        finally:
+            handle.remove()
+        assert guard.switch is Switch.ON and guard.intercepting
+        with guard.bare_run():
+            assert guard.switch is Switch.BARE and not guard.intercepting
+            assert not guard.pause()  # no pause inside a bare run
+        assert guard.switch is Switch.ON and guard.intercepting
+    assert guard.switch is Switch.OFF and not guard.intercepting
+    # at each step's start and at its optimizer step: the first optimizer step is learned
+    # (intercepted, no GEMM seen), the second steps paused
+    assert seen == [(Switch.ON, True), (Switch.ON, True), (Switch.ON, True), (Switch.PAUSED, False)]
+    with pytest.raises(RuntimeError, match="bare_run\\(\\): interception is off, not on"):
+        with guard.bare_run():
+            pass
+    with sdc_guard.protect(model, sampler=EveryN(2)) as every:
+        states = []
+        for _ in range(3):
+            states.append((every.switch, every.intercepting))
+            every.step()
+    assert states == [(Switch.ON, True), (Switch.IDLE, False), (Switch.ON, True)]

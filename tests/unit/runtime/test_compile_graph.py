@@ -376,6 +376,55 @@ def test_hugging_face_gradient_checkpointing_under_model_compile_is_verified():
     assert {s[:2] for s in eager_guard._ledger.sites_seen} <= {s[:2] for s in guard._ledger.sites_seen}
 
 
+class _CheckpointedBlocks(torch.nn.Module):
+    """A compiled input layer, then eager blocks under non-reentrant activation
+    checkpointing: what a Hugging Face model with ``gradient_checkpointing_enable()``
+    becomes under ``model.compile()`` where a graph break leaves its checkpointed layers to
+    eager frames (transformers 5.25)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                                              torch.nn.Linear(32, 16)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def test_eager_checkpointed_blocks_on_the_compiled_route_train_as_unguarded():
+    """The compiled route's eager frames inside a non-reentrant checkpoint: the backward's
+    recomputation runs without the function mode, so a tap in the forward would save
+    tensors the recomputation does not (``CheckpointError``). Their forward GEMMs are
+    verified without a tap, each backward GEMM is counted, and the gradients are the
+    unguarded ones bit for bit."""
+    fresh()
+    torch.manual_seed(0)
+    plain = _CheckpointedBlocks()
+    guarded = _CheckpointedBlocks()
+    guarded.load_state_dict(plain.state_dict())
+    plain.inp.compile(backend="aot_eager")
+    guarded.inp.compile(backend="aot_eager")
+    x = torch.randn(4, 16)
+    plain(x).square().sum().backward()
+    with sdc_guard.protect(guarded) as guard:
+        guarded(x).square().sum().backward()
+    report = guard.last_report
+    assert guard.compiled
+    # the compiled layer's forward and weight-gradient GEMMs (x needs no gradient), the
+    # blocks' four forward GEMMs
+    assert (report.verified, report.flagged) == (6, 0)
+    # each block GEMM's backward: its input's gradient and its weight's (the first
+    # block's input is the compiled layer's output, which needs a gradient too)
+    assert report.unverified_ops == {"backward of a checkpointed eager GEMM": 8}
+    for p, q in zip(plain.parameters(), guarded.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    fresh()
+
+
 EXIT_SCRIPT = """
 import sys
 sys.path.insert(0, {here!r})
