@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -15,7 +14,9 @@ import torch
 
 from sdc_guard.core import torch_private
 
-PACKAGE = Path(__file__).resolve().parent.parent / "sdc_guard"
+from paths import ROOT  # noqa: E402
+
+PACKAGE = ROOT / "sdc_guard"
 HOME = PACKAGE / "core" / "torch_private.py"
 #: a whole string that is a private torch path (a module named by its dotted name)
 PRIVATE_PATH = re.compile(r"torch(\.\w+)*\._\w+(\.\w+)*")

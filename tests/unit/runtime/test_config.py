@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import sys
-from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 import sdc_guard  # noqa: E402
 from models import MLP  # noqa: E402
