@@ -21,7 +21,7 @@
  *   attn.c        packing, the work items and their threads, the per-row thresholds
  *                 (plain C, shared by every ISA), the ISA dispatch at run time.
  *
- * Every ISA computes the same bits (tests/test_native_attention.py compares them): each
+ * Every ISA computes the same bits (tests/unit/backends/test_native_attention.py compares them): each
  * S_ij is an fma chain over the head dim in index order starting from 0, every sum over
  * keys accumulates key j into lane j mod 16 in key order and reduces the 16 lanes with
  * one fixed tree, every sum over query rows adds the rows in order (16-row blocks, then

@@ -87,7 +87,7 @@ static inline float ld(const char *p, int dt, int64_t i) {
  * shuffle, conversion or lane extraction one lane at a time. With AVX2 the helpers below
  * work on its two 8-lane halves (lanes 0-7, 8-15) instead, and the hot loops on parts
  * (below). Each computes what the portable code computes, lane by lane, in the same
- * order with the same operands: the same bits (tests/test_native_isa.py compares the
+ * order with the same operands: the same bits (tests/unit/backends/test_native_isa.py compares the
  * two builds). */
 #if !defined(__AVX512F__) && defined(__AVX2__)
 #define VABFT_AVX2 1

@@ -6,10 +6,20 @@ tensors under ``TRITON_INTERPRET=1``, as CI does.
 """
 
 import os
+import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
+
+#: tests/support: the shared helpers (models, respond_helpers, fp_models, ...), the worker
+#: scripts started as subprocesses and ``paths`` (ROOT, SUPPORT), importable by name from
+#: every folder under tests/ (pytest runs with ``--import-mode=importlib``, which puts no
+#: test folder on sys.path); spawned workers inherit the path.
+SUPPORT = Path(__file__).resolve().parent / "support"
+if str(SUPPORT) not in sys.path:
+    sys.path.insert(0, str(SUPPORT))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -34,8 +44,10 @@ def fresh_dynamo():
 def _seed_torch(request: pytest.FixtureRequest) -> None:
     """Seed torch's global generator per test, from the test's id: a test draws the same
     data whether it runs alone (``pytest -k``) or in the whole suite, in CI or here, so a
-    failure CI saw reproduces."""
-    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    failure CI saw reproduces. The key is ``tests/<file>::<test>``, the file's name without
+    its folder: a test moved between folders of tests/ draws the same data."""
+    path, sep, name = request.node.nodeid.partition("::")
+    torch.manual_seed(zlib.crc32(f"tests/{path.rpartition('/')[2]}{sep}{name}".encode()))
 
 
 #: Integration suites every test of which is slow (real Trainer runs, transformers models,
@@ -61,5 +73,8 @@ def pytest_ignore_collect(collection_path, config: pytest.Config) -> bool | None
 @pytest.hookimpl(tryfirst=True)  # before -m deselects
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     for item in items:
-        if item.path.name in SLOW_MODULES:
+        # ``corpus``: the long runs (real-model false-positive corpus, long training, most
+        # multi-process suites) that the README's command leaves to CI's own named step
+        # (``.ci/run``, ``-m corpus``); each is slow too, so the fast loop never runs one
+        if item.path.name in SLOW_MODULES or item.get_closest_marker("corpus"):
             item.add_marker(pytest.mark.slow)

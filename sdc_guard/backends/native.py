@@ -8,7 +8,7 @@ operands takes 0.1 ms, and 15 % of a 1 ms decode matmul. The C kernels of ``csrc
 optional) read ``A`` and ``C`` once, and ``B`` once for the weight side, in any layout,
 with bf16 / fp16 converted a block at a time, and compute D, T and the verdict of every
 (row, segment) in the same call. What stays in Python is the argument marshalling
-(``sdc_guard.backends.native_call``), kept to a few microseconds (``tests/test_native.py`` and
+(``sdc_guard.backends.native_call``), kept to a few microseconds (``tests/unit/backends/test_native.py`` and
 ``sdc-guard bench overhead`` measure it).
 
 Contract: the same ``AbftCheck`` as the torch backend up to float rounding (the tests

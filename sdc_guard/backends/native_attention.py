@@ -14,7 +14,7 @@ Contract: the same ``RowCheck`` / ``BackwardCheck`` as ``forward_screen`` /
 ``backward_screen`` up to fp32 rounding (the per-row formulas are the same, evaluated
 in fp64 from the same per-call constants, ``core.attention.threshold_constants``; the sums
 are fp32 in another order): thresholds within 1e-4 relative, identical verdicts away
-from the boundary (tests/test_native_attention.py). The torch screen remains the
+from the boundary (tests/unit/backends/test_native_attention.py). The torch screen remains the
 reference and the fallback: ``rejects`` says what the kernels do not cover.
 """
 

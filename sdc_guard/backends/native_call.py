@@ -293,7 +293,7 @@ def flat_args(req: object) -> tuple | None:
     """``ext.check``'s arguments but the three outputs and the thread count, for the
     commonest call, or ``None`` (``Call`` and ``rejects`` take everything else): 2-D A and
     C, a warm 2-D weight side, no checksum weight, CPU tensors of the kernels' dtypes,
-    nothing empty. The same tuple ``Call`` builds (``tests/test_native.py`` compares them).
+    nothing empty. The same tuple ``Call`` builds (``tests/unit/backends/test_native.py`` compares them).
 
     Why a path of its own: right after a large product the caches hold none of this
     Python, and each line, each distinct tensor getter above all, costs its cache misses:

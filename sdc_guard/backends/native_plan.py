@@ -10,7 +10,7 @@ the guard's Python there). A ``Plan`` is that work done once per layout: the arg
 tuple of ``Call.args`` with the pointers left out, which each call fills in (the
 tensors' ``data_ptr`` and the weight encoding's, or the scratch memory a cold ``b`` is
 encoded into). Built from ``Call`` itself, so a planned call passes the kernels exactly
-the arguments ``Call`` would (``tests/test_native.py`` compares them).
+the arguments ``Call`` would (``tests/unit/backends/test_native.py`` compares them).
 
 Covered: what ``native_clear`` covers without a checksum weight, where ``b`` is
 encoded in place (a warm ``b`` from the weight cache, or a cold one the kernel walks

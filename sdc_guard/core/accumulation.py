@@ -21,7 +21,7 @@ assumption follows documented behaviour per device, not the dtype alone
 
 None of the CUDA or Ascend cases has been measured on hardware here; the model's
 selection is tested against these documented knobs, and the reduced-precision split-K
-is emulated on CPU (``tests/test_accumulation.py``).
+is emulated on CPU (``tests/unit/core/test_accumulation.py``).
 """
 
 from __future__ import annotations

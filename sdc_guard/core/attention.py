@@ -58,7 +58,7 @@ _EXP_RANGE = 104.0
 #: Relative error of one fp32 exp, in units of u32 = 2^-24, that each copy of P may carry:
 #: 1 ulp (libm's expf, torch's vectorised exp). The native screen's polynomial exp
 #: (csrc/attn_simd.h) measures at most 1.39 u32 over every fp32 argument it takes
-#: (docs/ATTENTION.md, "exp"; tests/test_native_attention.py checks a sample).
+#: (docs/ATTENTION.md, "exp"; tests/unit/backends/test_native_attention.py checks a sample).
 EXP_U32 = 2
 
 

@@ -1,7 +1,7 @@
 """The private torch APIs sdc-guard relies on, all of them, each with why.
 
 torch keeps no compatibility promise for these names (a ``_`` in their path); naming them
-in one place says what a torch upgrade must be checked for, and ``tests/test_torch_private.py``
+in one place says what a torch upgrade must be checked for, and ``tests/unit/core/test_torch_private.py``
 fails if a module of the package uses a private torch name other than through here, or if
 a name below does not resolve on the installed torch. Checked on the torch versions in
 ``TESTED_TORCH``.

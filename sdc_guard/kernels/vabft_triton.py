@@ -59,7 +59,7 @@ Both accumulate in fp32, in different orders, so they differ by float rounding o
 
 What was measured and what was not
 ----------------------------------
-Checked on CPU under ``TRITON_INTERPRET=1`` (``tests/test_triton_kernel.py``): agreement
+Checked on CPU under ``TRITON_INTERPRET=1`` (``tests/unit/kernels/test_triton_kernel.py``): agreement
 with the torch backend on small shapes of every supported kind (no verdict bit differed
 in those tests nor in a 288-case sweep), and that every kernel variant compiles to an
 sm_90 (H200) cubin with the real Triton compiler and ``ptxas``, no GPU needed. Resource

@@ -252,7 +252,7 @@ def _worker(rank: int, world_size: int, port: int, kind: str, config: dict[str, 
         dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    leave(0)  # os._exit: gloo's threads can abort interpreter finalization (tests/ddp_worker.py)
+    leave(0)  # os._exit: gloo's threads can abort interpreter finalization (tests/support/ddp_worker.py)
 
 
 def _exchange_alone(numbers: int, reps: int = 50) -> float:

@@ -1,0 +1,42 @@
+"""Ops for tests/unit/bi/test_bi.py that the command line loads by file path (``--op tests/support/bi_ops.py:NAME``).
+
+They live in a file, not in the test module, because ``torch.distributed.run`` workers
+are fresh processes that must import them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+from sdc_guard.bi.collective import DistributedOp, reduce_scatter_rows, shard_matmul
+
+
+def noisy_op(x: Tensor, w: Tensor) -> Tensor:
+    """``x @ w`` plus unseeded noise: a different result on every call."""
+    return x @ w + 1e-3 * torch.randn(x.shape[0], w.shape[1])
+
+
+def raising_op(x: Tensor, w: Tensor) -> Tensor:
+    """Always raises."""
+    raise RuntimeError("injected failure")
+
+
+def _raise_on_rank1_for_m8(x: Tensor, w: Tensor, rank: int, world_size: int) -> Tensor:
+    if rank == 1 and x.shape[0] == 8:
+        raise RuntimeError("injected failure on rank 1")
+    return shard_matmul(x, w, rank, world_size)
+
+
+def _hang_on_rank1(x: Tensor, w: Tensor, rank: int, world_size: int) -> Tensor:
+    if rank == 1:
+        time.sleep(120)
+    return shard_matmul(x, w, rank, world_size)
+
+
+#: Raises on rank 1 only, and only for M = 8: the other ranks must not hang.
+RAISE_ON_RANK1 = DistributedOp("raise_on_rank1", _raise_on_rank1_for_m8, reduce_scatter_rows)
+#: Rank 1 never reaches the collective: only the job timeout can end it.
+HANG_ON_RANK1 = DistributedOp("hang_on_rank1", _hang_on_rank1, reduce_scatter_rows)
