@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from ..core.torch_private import TorchDispatchMode
 
+from ..runtime.ops import GEMM_HANDLERS
 from .bench_models import PRECISIONS, build
 
 aten = torch.ops.aten
@@ -53,15 +54,10 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         if self.step is None or func not in _GEMMS:
             return out
-        if func in (aten.mm.default, aten.bmm.default):
-            a, b, bias, alpha, beta = args[0], args[1], None, 1.0, 1.0
-        else:
-            bias, a, b = args[0], args[1], args[2]
-            beta = float(kwargs.get("beta", args[3] if len(args) > 3 else 1))
-            alpha = float(kwargs.get("alpha", args[4] if len(args) > 4 else 1))
+        gemm = GEMM_HANDLERS[func.overloadpacket](args, kwargs, out)  # the guard's own reading of the call
         copy = lambda t: None if t is None else t.detach().clone()  # noqa: E731
-        self.gemms.append(CapturedGemm(self.model, self.step, func.__name__.split(".")[0], copy(a), copy(b),
-                                       copy(out), copy(bias), alpha, beta))
+        self.gemms.append(CapturedGemm(self.model, self.step, gemm.op, copy(gemm.a), copy(gemm.b),
+                                       copy(gemm.out), copy(gemm.bias), gemm.alpha, gemm.beta))
         return out
 
 

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sdc_guard
+from sdc_guard.runtime.ops import GEMM_HANDLERS
 # the corpus's token streams and BERT objective are the ones `sdc-guard bench fp --models` runs
 from sdc_guard.tools.bench_models import masked_lm_loss, structured_tokens  # noqa: F401
 
@@ -335,13 +336,8 @@ class GemmRecorder(TorchDispatchMode):
         if not self.recording or func not in (aten.mm.default, aten.addmm.default, aten.bmm.default,
                                               aten.baddbmm.default):
             return out
-        if func in (aten.mm.default, aten.bmm.default):
-            a, b, bias, alpha, beta = args[0], args[1], None, 1.0, 1.0
-        else:
-            bias, a, b = args[0], args[1], args[2]
-            beta = float(kwargs.get("beta", args[3] if len(args) > 3 else 1))
-            alpha = float(kwargs.get("alpha", args[4] if len(args) > 4 else 1))
+        gemm = GEMM_HANDLERS[func.overloadpacket](args, kwargs, out)  # the guard's own reading of the call
         copy = lambda t: None if t is None else t.detach().clone()  # noqa: E731
-        self.gemms.append(CapturedGemm(func.__name__.split(".")[0], copy(a), copy(b), copy(out), copy(bias),
-                                       alpha, beta))
+        self.gemms.append(CapturedGemm(gemm.op, copy(gemm.a), copy(gemm.b), copy(gemm.out), copy(gemm.bias),
+                                       gemm.alpha, gemm.beta))
         return out

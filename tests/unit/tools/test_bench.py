@@ -420,3 +420,22 @@ def test_collectives(tmp_path: Path) -> None:
     assert results["ddp"]["exchanged"] > 4 and results["fsdp"]["exchanged"] > 4
     assert cli.main(["bench", "collectives", "--kinds", "tp"]) == 2
     assert cli.main(["bench", "collectives", "--world-size", "1"]) == 2
+
+
+@pytest.mark.corpus  # a bench run training a model, about 5 s (CONTRIBUTING.md)
+def test_detect_captured(tmp_path: Path) -> None:
+    """``--captured``: single-element errors in GEMMs captured from training the toy GPT in
+    bf16, each confirmed at its row: no clean segment suspected by the default screen and
+    no confirmed false alarm by any screen, large errors all caught, and the default screen
+    (which reads C's own rounding from C) sees more at one segment RMS than the screen
+    whose threshold came from A and B only ("earlier")."""
+    report = bench(tmp_path, "detect", "--captured", "toy:64/64/8/2/3e-3", "--captured-steps", "2",
+                   "--captured-rows", "2", "--captured-precisions", "bf16")
+    res = report["results"]["bf16"]
+    assert res["gemms"] > 0 and res["segments"] > 0
+    assert res["suspects"]["default"] == 0
+    assert all(n == 0 for n in res["confirmed"].values())
+    rate = {key: r["caught"] / r["trials"] for key, r in res["rates"].items()}
+    assert all(r["false_alarms"] == 0 for r in res["rates"].values())
+    assert rate["default 10"] >= 0.9
+    assert rate["default 1"] > rate["earlier 1"]
