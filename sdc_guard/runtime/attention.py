@@ -46,7 +46,7 @@ from ..core.attention import (AttentionOperands, BackwardCheck, RowCheck, backwa
                               forward_screen)
 from ..core.attention_confirm import RowConfirmation, confirm_backward, confirm_forward
 from ..core.precision import SUPPORTED_DTYPES
-from .ledger import clear_summary
+from ..core.summary import clear_summary
 
 aten = torch.ops.aten
 
