@@ -12,11 +12,11 @@ from . import backends
 from .core import legacy
 from .runtime import sampling
 from .core.comp_row import decode_comp_row, encode_comp_row
-from .runtime.config import GuardConfig
-from .runtime.guard import Guard, protect
+from .runtime.lifecycle.config import GuardConfig
+from .runtime.lifecycle.guard import Guard, protect
 from .report import Detection, StepReport
-from .runtime.inject import GemmFault, drill, flip_parameter_bit
-from .runtime.collective_faults import CollectiveFault
+from .runtime.drills.inject import GemmFault, drill, flip_parameter_bit
+from .runtime.collectives.collective_faults import CollectiveFault
 from .respond.policy import (
     EXIT_COLLECTIVE,
     EXIT_NONDETERMINISTIC,
@@ -37,8 +37,8 @@ __version__ = "0.1.0"
 # ``sdc_guard.policy``, ... are the same module objects as their new homes, so that
 # ``from sdc_guard.sampling import Budget`` and ``import sdc_guard.toy_gpt`` keep working.
 _FORMER_PATHS = {
-    "guard": "runtime.guard",
-    "inject": "runtime.inject",
+    "guard": "runtime.lifecycle.guard",
+    "inject": "runtime.drills.inject",
     "sampling": "runtime.sampling",
     "policy": "respond.policy",
     "snapshot": "respond.snapshot",
@@ -46,6 +46,43 @@ _FORMER_PATHS = {
     "toy_gpt": "tools.toy_gpt",
     "core.verify": "verify",
     "runtime.report": "report",
+    # runtime/ by concern (2026-12-05): the flat modules' paths
+    "runtime.attention": "runtime.dispatch.attention",
+    "runtime.budget": "runtime.sampling.budget",
+    "runtime.cache": "runtime.checking.cache",
+    "runtime.calibration": "runtime.lifecycle.calibration",
+    "runtime.checker": "runtime.checking.checker",
+    "runtime.checks": "runtime.lifecycle.checks",
+    "runtime.collective_checks": "runtime.collectives.collective_checks",
+    "runtime.collective_faults": "runtime.collectives.collective_faults",
+    "runtime.collective_ops": "runtime.dispatch.collective_ops",
+    "runtime.config": "runtime.lifecycle.config",
+    "runtime.fault_models": "runtime.drills.fault_models",
+    "runtime.function_attention": "runtime.compiled.function_attention",
+    "runtime.function_gemm": "runtime.compiled.function_gemm",
+    "runtime.function_mode": "runtime.compiled.function_mode",
+    "runtime.gradient_stats": "runtime.sampling.gradient_stats",
+    "runtime.graph_checks": "runtime.compiled.graph_checks",
+    "runtime.graph_install": "runtime.compiled.graph_install",
+    "runtime.graph_ops": "runtime.compiled.graph_ops",
+    "runtime.graph_pass": "runtime.compiled.graph_pass",
+    "runtime.guard": "runtime.lifecycle.guard",
+    "runtime.guarded_step": "runtime.lifecycle.guarded_step",
+    "runtime.hops": "runtime.dispatch.hops",
+    "runtime.inject": "runtime.drills.inject",
+    "runtime.intake": "runtime.lifecycle.intake",
+    "runtime.intercept": "runtime.dispatch.intercept",
+    "runtime.interception": "runtime.lifecycle.interception",
+    "runtime.ledger": "runtime.lifecycle.ledger",
+    "runtime.module_names": "runtime.compiled.module_names",
+    "runtime.ops": "runtime.dispatch.ops",
+    "runtime.optimizer_steps": "runtime.lifecycle.optimizer_steps",
+    "runtime.sampler_base": "runtime.sampling.sampler_base",
+    "runtime.schedule": "runtime.sampling.schedule",
+    "runtime.screened": "runtime.sampling.screened",
+    "runtime.site_hooks": "runtime.dispatch.site_hooks",
+    "runtime.stats": "runtime.lifecycle.stats",
+    "runtime.warn_once": "runtime.lifecycle.warn_once",
 }
 
 

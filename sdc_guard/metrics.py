@@ -59,13 +59,13 @@ Choices, and why:
   guard's whole cost: interception, bookkeeping, verification, calibration replays),
   which is what the alert on the budget uses; the per-step gauges are for dashboards (a
   step that ran a calibration replay shows its cost: about one more unguarded run).
-  Interception is measured by the replays (``sdc_guard.runtime.calibration``);
+  Interception is measured by the replays (``sdc_guard.runtime.lifecycle.calibration``);
   ``sdc_guard_overhead_calibrated`` is 0 while it is still the per-op estimate, a lower
   bound (observation-only blocks, ``calibrate_every=None``, before the first replay).
 - Detections are counted on the rank(s) whose GEMMs flagged (``outcome.flagged_ranks``)
   or whose gradient screen tripped (``outcome.tripped_ranks``) into a confirmed detection;
   responses on every rank, since every rank takes the response in lockstep.
-- Collectives (``runtime/collective_checks.py``) are counted by op; a detection by op and
+- Collectives (``runtime/collectives/collective_checks.py``) are counted by op; a detection by op and
   link, on the receiving rank, the first ``max_sites`` distinct links by name and the rest
   as ``"other"``: an all-gather's link names the sending rank (``"3->0"``), a reduction's
   does not (``"*->0"``: every rank of the group sent into it). A collective detection
@@ -106,7 +106,7 @@ from .respond import distributed
 from .respond.identity import local_identity
 from .report import StepReport
 from .respond.policy import ACTIONS, CLASSIFICATIONS, StepOutcome
-from .runtime.collective_ops import OPS as COLLECTIVE_OPS
+from .runtime.dispatch.collective_ops import OPS as COLLECTIVE_OPS
 from .report import Detection
 
 #: Port of ``serve()`` for local rank 0; local rank ``r`` gets ``DEFAULT_PORT + r``.

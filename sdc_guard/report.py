@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 class Detection:
     """One GEMM whose check found corruption, confirmed by exact recomputation; or one
     collective whose result is not what its senders sent (``kind="collective"``,
-    ``runtime/collective_checks.py``): then ``site`` is its bucket or module, ``op`` the
+    ``runtime/collectives/collective_checks.py``): then ``site`` is its bucket or module, ``op`` the
     collective (``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"``, ``"exchange"``
     for the checksum exchange itself), ``segments`` the flagged segments of
     ``core.collective.SEGMENT`` elements (an all-gather: the flagged shards, by group
@@ -77,7 +77,7 @@ class StepReport:
     Interception cannot be timed from inside; it is the per-op estimate
     (``interception_estimate_seconds``: a round trip per intercepted op and a hook cost per
     module call, rates measured once per process) scaled by what calibration replays of
-    this model measured (``interception_factor``; ``sdc_guard.runtime.calibration``: the
+    this model measured (``interception_factor``; ``sdc_guard.runtime.lifecycle.calibration``: the
     step's closure run once bare and once guarded, paired). ``overhead_calibrated`` says
     which: True when ``guard_seconds`` is the whole cost (calibrated, or a step that
     intercepted nothing), False when interception is the bare estimate, a lower bound (an
@@ -142,7 +142,7 @@ class StepReport:
     #: running spreads (``Screened.sigmas`` trips it)
     gradient_sigmas: float = 0.0
     nonfinite_grads: int = 0  #: parameters whose gradient held a NaN or an infinity
-    #: collectives checked (``runtime/collective_checks.py``); their detections are in
+    #: collectives checked (``runtime/collectives/collective_checks.py``); their detections are in
     #: ``detections`` (kind "collective") and ``flagged``
     collective_checks: int = 0
     #: the same, by op ("all_reduce", "all_gather", "reduce_scatter")

@@ -30,7 +30,7 @@ from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import sdc_guard  # noqa: E402
-from sdc_guard.runtime.inject import GemmFault, drill  # noqa: E402
+from sdc_guard.runtime.drills.inject import GemmFault, drill  # noqa: E402
 
 
 class FlexBlock(nn.Module):

@@ -47,7 +47,7 @@ class Backend:
                    alpha: float = 1.0, beta: float = 1.0, weight: WeightSide | None = None,
                    rounding: ScreenTerms | None = None) -> float | None:
         """``clear_worst`` of the request these arguments make, without making it: the
-        guard's path for every verified GEMM (``runtime/checker.py``), where the request
+        guard's path for every verified GEMM (``runtime/checking/checker.py``), where the request
         object and its checks cost as much as a small check. ``None`` here (the default:
         not known cheaply) sends the guard to ``summarize``; a backend with a cheap
         ``clear_worst`` overrides both with the same answers."""

@@ -2,7 +2,7 @@
 (``core/confirm.py``) and reduces it on the device to a few numbers (``SUMMARY``).
 
 Here, below ``backends/`` and ``runtime/``, because both use it: every backend's
-``Backend.summarize`` and the step ledger (``runtime/ledger.py``) that reads summaries.
+``Backend.summarize`` and the step ledger (``runtime/lifecycle/ledger.py``) that reads summaries.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from torch.utils import _python_dispatch
 #: torch releases every name here was checked on (the CI's torch is the first)
 TESTED_TORCH: tuple[str, ...] = ("2.13.0",)
 
-# --- dispatch and function modes (runtime/intercept.py, interception.py, hops.py, ops.py)
+# --- dispatch and function modes (runtime/dispatch/intercept.py, interception.py, hops.py, ops.py)
 
 #: base of the dispatch modes that see every GEMM (``__torch_dispatch__``); the public
 #: class of a private module, which PyTorch's own subclasses and docs use
@@ -49,7 +49,7 @@ dispatch_stack_depth = _C._len_torch_dispatch_stack
 #: verification's own ops run with ``__torch_function__`` off (not seen as the model's)
 DisableTorchFunction = _C.DisableTorchFunction
 
-# --- the dispatcher (runtime/ops.py, hops.py)
+# --- the dispatcher (runtime/dispatch/ops.py, hops.py)
 
 #: dispatch keys: redispatching below Python, composite kernels of HOPs and overloads
 DispatchKey = _C.DispatchKey
@@ -66,19 +66,19 @@ OpOverload = _ops.OpOverload
 #: the module whose ``FakeTensor`` calls compute nothing (``DTensor``'s sharding propagation)
 FAKE_TENSOR_MODULE = "torch._subclasses.fake_tensor"
 
-# --- autograd (runtime/intercept.py, intake.py, hops.py)
+# --- autograd (runtime/dispatch/intercept.py, intake.py, hops.py)
 
 #: the running backward's id (-1 outside one): whether a GEMM is forward or backward
 current_graph_task_id = _C._current_graph_task_id
 #: the autograd node being run: which module a backward GEMM belongs to
 current_autograd_node = _C._current_autograd_node
 #: the innermost saved-tensor hooks, ``(pack, unpack)`` or ``None``: whether an eager GEMM
-#: runs in a non-reentrant activation checkpoint's forward (runtime/function_gemm.py)
+#: runs in a non-reentrant activation checkpoint's forward (runtime/compiled/function_gemm.py)
 top_saved_tensors_default_hooks = _C._autograd._top_saved_tensors_default_hooks
 
 # --- kernels and utilities
 
-#: one kernel for every gradient's norm (the gradient screen, runtime/screened.py)
+#: one kernel for every gradient's norm (the gradient screen, runtime/sampling/screened.py)
 foreach_norm = torch._foreach_norm
 #: which fused attention kernel the dispatcher would choose (metadata only, no host sync)
 fused_sdp_choice = torch._fused_sdp_choice

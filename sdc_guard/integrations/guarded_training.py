@@ -21,10 +21,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from sdc_guard.runtime.calibration import DEFAULT_EVERY as DEFAULT_CALIBRATE_EVERY  # noqa: F401  (importable here)
-from sdc_guard.runtime.config import GuardConfig
-from sdc_guard.runtime.guard import Guard
-from sdc_guard.runtime.schedule import current_step, set_current_step
+from sdc_guard.runtime.lifecycle.calibration import DEFAULT_EVERY as DEFAULT_CALIBRATE_EVERY  # noqa: F401  (importable here)
+from sdc_guard.runtime.lifecycle.config import GuardConfig
+from sdc_guard.runtime.lifecycle.guard import Guard
+from sdc_guard.runtime.sampling.schedule import current_step, set_current_step
 from sdc_guard.metrics import GuardMetrics
 from sdc_guard.respond.policy import Policy, SDCError, SDCExit, StepOutcome
 from sdc_guard.report import StepReport

@@ -42,7 +42,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from sdc_guard.integrations.guarded_training import (DEFAULT_CALIBRATE_EVERY, DEFAULT_METRICS_PORT, GuardedTraining,
                                                      replace_method)
 from sdc_guard.respond.policy import Policy
-from sdc_guard.runtime.config import GuardConfig
+from sdc_guard.runtime.lifecycle.config import GuardConfig
 from sdc_guard.runtime.sampling import Sampler
 
 __all__ = ["DEFAULT_METRICS_PORT", "SDCGuard"]

@@ -26,7 +26,7 @@ subclass's overrides stay in force):
   skipped.
 
 The same replay measures what interception costs (``calibrate_every``; the guard's
-calibration, ``sdc_guard.runtime.calibration``): on the steps it picks, after the guarded
+calibration, ``sdc_guard.runtime.lifecycle.calibration``): on the steps it picks, after the guarded
 run, the step's micro-batches run once more with interception off, timed against the
 guarded run (from the first micro-batch to the optimizer step), and the gradients,
 generators and buffers the guarded run left are put back.
@@ -89,7 +89,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 from sdc_guard.integrations.guarded_training import (DEFAULT_CALIBRATE_EVERY, DEFAULT_METRICS_PORT, GuardedTraining,
                                                      replace_method)
 from sdc_guard.respond.policy import Policy
-from sdc_guard.runtime.config import GuardConfig
+from sdc_guard.runtime.lifecycle.config import GuardConfig
 from sdc_guard.runtime.sampling import Sampler
 from sdc_guard.respond.snapshot import SnapshotStore
 

@@ -2,7 +2,7 @@
 
 State machine of one guarded optimizer step (``Guard.optimizer_step``), in the spirit of
 Megatron-LM's ``rerun_state_machine``; every rank walks it in lockstep (its named states
-and transitions: ``responder.py``, the decider; ``runtime/guarded_step.py`` acts)::
+and transitions: ``responder.py``, the decider; ``runtime/lifecycle/guarded_step.py`` acts)::
 
     RUN closure (forward + backward, RNG state saved)
      |
@@ -49,7 +49,7 @@ GEMM whose output is infinite, is written as the string ``"inf"``, ``"-inf"`` or
 
 Modules: this one holds ``Policy`` (what to do); ``responder.py`` the state machine
 (``Responder``, a passive decider: it is asked with the step's facts and answers a
-``Decision``; ``runtime/guarded_step.py`` drives the step and acts on it); ``rerun.py``
+``Decision``; ``runtime/lifecycle/guarded_step.py`` drives the step and acts on it); ``rerun.py``
 what a re-execution restores (RNG, gradients, buffers, the user's state); ``outcome.py``
 the outcome, errors and exit report, whose public names are importable from here too.
 """

@@ -1,5 +1,5 @@
 """The responder: decides, from the facts of one guarded optimizer step, what the guard
-does next. It is passive: the guard (``runtime/guarded_step.py``) runs the step, gathers
+does next. It is passive: the guard (``runtime/lifecycle/guarded_step.py``) runs the step, gathers
 the facts (agreed across ranks), asks, and acts; the responder never calls the guard,
 the optimizer or the model (the anchors: Megatron's ``RerunStateMachine``, asked
 ``should_rerun_forward_and_backward()`` / ``should_checkpoint_and_exit()`` by the loop;

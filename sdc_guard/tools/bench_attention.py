@@ -11,7 +11,7 @@ For each cell (context ``L``, head dim, dtype) it times, paired round by round
   backward screen of ``dQ, dK, dV``.
 
 ``--path`` picks the screen: ``guard`` (default) what ``protect()`` runs (the native
-kernels for CPU tensors when the extension is built, ``runtime.attention.screen_forward``),
+kernels for CPU tensors when the extension is built, ``runtime.dispatch.attention.screen_forward``),
 ``native`` (``backends.native_attention``; ``--isa`` forces its AVX-512, AVX2 or plain C
 kernels), ``torch`` (``core.attention``, the reference), or ``both`` (native and torch
 columns in one run, each paired with the same bare times).
@@ -33,7 +33,7 @@ from ..backends.native_attention import ISA, attention_isa, native_backward_scre
 from ..backends.native_attention import rejects as native_rejects
 from ..backends.native_attention import unavailable_reason as native_unavailable
 from ..core.attention import AttentionOperands, backward_screen, default_scale, forward_screen
-from ..runtime.attention import screen_backward, screen_forward
+from ..runtime.dispatch.attention import screen_backward, screen_forward
 from .bench_common import (Outcome, SHORT_NAME, argtype, generator, load_average, machine, median,
                            resolve_device, table, time_columns)
 

@@ -26,7 +26,7 @@ from ..core.torch_private import TorchDispatchMode
 from .bench_common import FP16_NOTE, SHORT_NAME, Outcome, Progress, machine, resolve_device, shape_label, table
 from ..backends import GemmRequest, TorchBackend
 from .bench_fp import add_data_arguments, cell_seed, clean_requests, data_cells
-from ..runtime.intercept import GEMM_HANDLERS, current_phase
+from ..runtime.dispatch.intercept import GEMM_HANDLERS, current_phase
 from ..core.precision import SUPPORTED_DTYPES, default_e_max
 
 #: Default safety margin: the recommended e_max is this many times the largest D/T seen.

@@ -163,7 +163,7 @@ def _worker(rank: int, world_size: int, port: int, kind: str, config: dict[str, 
     import torch.nn.functional as F
 
     from ..respond.snapshot import SnapshotStore
-    from ..runtime.guard import protect
+    from ..runtime.lifecycle.guard import protect
     from .bench_train import Never
 
     faulthandler.dump_traceback_later(WORKER_TIMEOUT - 60, exit=True)

@@ -25,7 +25,7 @@ from typing import Any
 
 from .bench_common import Outcome, Progress, machine, resolve_device, table
 from ..respond.policy import Policy
-from ..runtime.inject import GemmFault, drill
+from ..runtime.drills.inject import GemmFault, drill
 from .training_runs import (
     Copy, bit_layout, default_schedule, output_dtype, quiet_guard_log, relative_change, samplers, workloads,
 )

@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 from .bench_common import Outcome, Progress, argtype, machine, parse_names, resolve_device, table
 from ..respond.policy import Policy
-from ..runtime.inject import drill
+from ..runtime.drills.inject import drill
 from ..runtime.sampling import Sampler
 from .training_runs import (
     FAULT_CLASSES, HARMFUL, SEVERE, VISIBLE, Copy, default_schedule, draw_fault, gemms_per_step,

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..runtime.guard import protect
+from ..runtime.lifecycle.guard import protect
 from ..respond.policy import Policy, SDCExit, StepOutcome
 from .toy_gpt import GPT, CharData, GPTConfig, make_corpus
 

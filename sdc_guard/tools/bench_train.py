@@ -12,7 +12,7 @@ every ``W`` steps: the coverage window below; where a sweep costs more than ``W`
 the budget the window wins), ``EveryN(n)`` and ``Screened()`` (the gradient screen). The
 guarded copies take their steps as an integration does, through
 ``Guard.optimizer_step(optimizer, closure)``, so the guard's calibration replays
-(``sdc_guard.runtime.calibration``) run and are paid for; rollback snapshots are off,
+(``sdc_guard.runtime.lifecycle.calibration``) run and are paid for; rollback snapshots are off,
 since they are the policy's cost. The copies take their steps in turn, round after round
 (the order rotated each round), so that a slow spell of the machine falls on all of them;
 each protected copy keeps one ``Guard`` (and so its weight-side cache, its sampler's
@@ -52,7 +52,7 @@ from .bench_common import (
     SHORT_NAME, Outcome, Progress, argtype, busy_warning, load_average, machine, parse_dtypes, pct,
     resolve_device, sync, table,
 )
-from ..runtime.guard import protect
+from ..runtime.lifecycle.guard import protect
 from ..runtime.sampling import Budget, EveryN, Full, Sampler, Screened, SiteKey, StepCosts, Stateless, sampler_watches
 from ..respond.snapshot import SnapshotStore
 from .toy_gpt import GPT, GPTConfig

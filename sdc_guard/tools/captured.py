@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from ..core.torch_private import TorchDispatchMode
 
-from ..runtime.ops import GEMM_HANDLERS
+from ..runtime.dispatch.ops import GEMM_HANDLERS
 from .bench_models import PRECISIONS, build
 
 aten = torch.ops.aten

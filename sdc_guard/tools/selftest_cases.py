@@ -37,8 +37,8 @@ from torch import Tensor, nn
 
 from .. import backends
 from ..backends import Backend
-from ..runtime.inject import GemmFault, drill, flip_bit
-from ..runtime.guard import protect
+from ..runtime.drills.inject import GemmFault, drill, flip_bit
+from ..runtime.lifecycle.guard import protect
 from ..verify import classify, make_request
 
 #: the top exponent bit of each dtype: the flip a drill makes by default

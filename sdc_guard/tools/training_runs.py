@@ -9,7 +9,7 @@
   included), and can be put back, so that every copy meets the same fault in the same
   state and what one sampler missed never accumulates;
 - the fault classes (``FAULT_CLASSES``): each a way to draw a ``GemmFault`` of one fault
-  model (``sdc_guard.runtime.fault_models``) at random;
+  model (``sdc_guard.runtime.drills.fault_models``) at random;
 - the harm of a fault: the update the optimizer makes with it against the clean update
   from the same state, ``|faulty - clean| / |clean|`` over all parameters.
 """
@@ -29,10 +29,10 @@ from torch import Tensor
 
 from ..respond.policy import Policy
 from ..respond.snapshot import SnapshotStore
-from ..runtime.guard import Guard, protect
-from ..runtime.inject import GemmFault
+from ..runtime.lifecycle.guard import Guard, protect
+from ..runtime.drills.inject import GemmFault
 from ..runtime.sampling import Budget, EveryN, Full, Sampler, Screened
-from ..runtime.schedule import set_current_step
+from ..runtime.sampling.schedule import set_current_step
 from .bench_models import PRECISIONS, Workload, build
 
 #: The fault classes, in the order trials take them; "stuck lane" is the only persistent

@@ -14,8 +14,8 @@ from torch._dynamo.utils import counters
 import pytest
 
 import sdc_guard
-from sdc_guard.runtime import function_mode, graph_checks
-from sdc_guard.runtime.inject import GemmFault, drill
+from sdc_guard.runtime.compiled import function_mode, graph_checks
+from sdc_guard.runtime.drills.inject import GemmFault, drill
 
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py

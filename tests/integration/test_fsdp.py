@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from sdc_guard.runtime.cache import WeightCache, storage_address
+from sdc_guard.runtime.checking.cache import WeightCache, storage_address
 
 
 #: GEMMs of one training step of the 1-layer tiny GPT: 7 in the forward (qkv, q@k, att@v,

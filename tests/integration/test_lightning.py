@@ -157,11 +157,11 @@ def test_load_state_dict_accepts_what_earlier_versions_wrote() -> None:
     assert callback.sampler.state_dict() == EveryN(3).state_dict() and callback.policy.persistent_steps == []
     model = torch.nn.Linear(2, 2)
     callback.start_guard(model, rank=0, trainer_step=4)
-    assert sdc_guard.runtime.guard.current_step(model) == 7  # the state's step
+    assert sdc_guard.runtime.lifecycle.guard.current_step(model) == 7  # the state's step
     callback.load_state_dict({})
     assert callback.totals == {"steps": 0, "gemms_verified": 0, "detections": 0}
     callback.start_guard(model, rank=0, trainer_step=4)
-    assert sdc_guard.runtime.guard.current_step(model) == 4  # no step in the state: the trainer's
+    assert sdc_guard.runtime.lifecycle.guard.current_step(model) == 4  # no step in the state: the trainer's
     state = callback.state_dict()
     assert state["version"] == 1 and json.loads(json.dumps(state)) == state
 
@@ -331,7 +331,7 @@ def test_compiled_lightning_module_compiles_is_verified_and_leaves_no_trace(tmp_
     and a drilled fault is answered; after the fit the compiled steps run without checks."""
     from torch._dynamo.utils import counters
 
-    from sdc_guard.runtime import graph_checks
+    from sdc_guard.runtime.compiled import graph_checks
 
     def run(callback, faults=()):
         torch._dynamo.reset()

@@ -198,7 +198,7 @@ def test_torch_compile_true_compiles_is_verified_and_leaves_no_trace(tmp_path: P
     the run the compiled model runs its graphs without checks."""
     from torch._dynamo.utils import counters
 
-    from sdc_guard.runtime import graph_checks
+    from sdc_guard.runtime.compiled import graph_checks
 
     def run(callback, faults=()):
         torch._dynamo.reset()

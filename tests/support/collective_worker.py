@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 import sdc_guard
 from models import TinyGPT, lm_batch
-from sdc_guard.runtime.sampler_base import Stateless
+from sdc_guard.runtime.sampling.sampler_base import Stateless
 
 #: a worker that has not finished by then dumps its stacks and exits (a test never hangs);
 #: more for long runs (``deadline``)

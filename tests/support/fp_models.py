@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sdc_guard
-from sdc_guard.runtime.ops import GEMM_HANDLERS
+from sdc_guard.runtime.dispatch.ops import GEMM_HANDLERS
 # the corpus's token streams and BERT objective are the ones `sdc-guard bench fp --models` runs
 from sdc_guard.tools.bench_models import masked_lm_loss, structured_tokens  # noqa: F401
 

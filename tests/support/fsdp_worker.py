@@ -47,7 +47,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import sdc_guard
 from respond_helpers import closure_for, make_model
 from sdc_guard.respond.checkpoint_io import host_label
-from sdc_guard.runtime.schedule import set_current_step
+from sdc_guard.runtime.sampling.schedule import set_current_step
 
 STEPS = 6
 SCENARIOS = ("bare", "clean", "transient", "persistent")

@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sdc_guard.runtime.ops import Route, route_of
+from sdc_guard.runtime.dispatch.ops import Route, route_of
 
 
 class GemmCount(TorchDispatchMode):

@@ -13,8 +13,8 @@ import pytest
 import sdc_guard
 
 FORMER = {
-    "sdc_guard.guard": "sdc_guard.runtime.guard",
-    "sdc_guard.inject": "sdc_guard.runtime.inject",
+    "sdc_guard.guard": "sdc_guard.runtime.lifecycle.guard",
+    "sdc_guard.inject": "sdc_guard.runtime.drills.inject",
     "sdc_guard.sampling": "sdc_guard.runtime.sampling",
     "sdc_guard.policy": "sdc_guard.respond.policy",
     "sdc_guard.snapshot": "sdc_guard.respond.snapshot",
@@ -22,6 +22,42 @@ FORMER = {
     "sdc_guard.toy_gpt": "sdc_guard.tools.toy_gpt",
     "sdc_guard.core.verify": "sdc_guard.verify",
     "sdc_guard.runtime.report": "sdc_guard.report",
+    "sdc_guard.runtime.attention": "sdc_guard.runtime.dispatch.attention",
+    "sdc_guard.runtime.budget": "sdc_guard.runtime.sampling.budget",
+    "sdc_guard.runtime.cache": "sdc_guard.runtime.checking.cache",
+    "sdc_guard.runtime.calibration": "sdc_guard.runtime.lifecycle.calibration",
+    "sdc_guard.runtime.checker": "sdc_guard.runtime.checking.checker",
+    "sdc_guard.runtime.checks": "sdc_guard.runtime.lifecycle.checks",
+    "sdc_guard.runtime.collective_checks": "sdc_guard.runtime.collectives.collective_checks",
+    "sdc_guard.runtime.collective_faults": "sdc_guard.runtime.collectives.collective_faults",
+    "sdc_guard.runtime.collective_ops": "sdc_guard.runtime.dispatch.collective_ops",
+    "sdc_guard.runtime.config": "sdc_guard.runtime.lifecycle.config",
+    "sdc_guard.runtime.fault_models": "sdc_guard.runtime.drills.fault_models",
+    "sdc_guard.runtime.function_attention": "sdc_guard.runtime.compiled.function_attention",
+    "sdc_guard.runtime.function_gemm": "sdc_guard.runtime.compiled.function_gemm",
+    "sdc_guard.runtime.function_mode": "sdc_guard.runtime.compiled.function_mode",
+    "sdc_guard.runtime.gradient_stats": "sdc_guard.runtime.sampling.gradient_stats",
+    "sdc_guard.runtime.graph_checks": "sdc_guard.runtime.compiled.graph_checks",
+    "sdc_guard.runtime.graph_install": "sdc_guard.runtime.compiled.graph_install",
+    "sdc_guard.runtime.graph_ops": "sdc_guard.runtime.compiled.graph_ops",
+    "sdc_guard.runtime.graph_pass": "sdc_guard.runtime.compiled.graph_pass",
+    "sdc_guard.runtime.guard": "sdc_guard.runtime.lifecycle.guard",
+    "sdc_guard.runtime.guarded_step": "sdc_guard.runtime.lifecycle.guarded_step",
+    "sdc_guard.runtime.hops": "sdc_guard.runtime.dispatch.hops",
+    "sdc_guard.runtime.inject": "sdc_guard.runtime.drills.inject",
+    "sdc_guard.runtime.intake": "sdc_guard.runtime.lifecycle.intake",
+    "sdc_guard.runtime.intercept": "sdc_guard.runtime.dispatch.intercept",
+    "sdc_guard.runtime.interception": "sdc_guard.runtime.lifecycle.interception",
+    "sdc_guard.runtime.ledger": "sdc_guard.runtime.lifecycle.ledger",
+    "sdc_guard.runtime.module_names": "sdc_guard.runtime.compiled.module_names",
+    "sdc_guard.runtime.ops": "sdc_guard.runtime.dispatch.ops",
+    "sdc_guard.runtime.optimizer_steps": "sdc_guard.runtime.lifecycle.optimizer_steps",
+    "sdc_guard.runtime.sampler_base": "sdc_guard.runtime.sampling.sampler_base",
+    "sdc_guard.runtime.schedule": "sdc_guard.runtime.sampling.schedule",
+    "sdc_guard.runtime.screened": "sdc_guard.runtime.sampling.screened",
+    "sdc_guard.runtime.site_hooks": "sdc_guard.runtime.dispatch.site_hooks",
+    "sdc_guard.runtime.stats": "sdc_guard.runtime.lifecycle.stats",
+    "sdc_guard.runtime.warn_once": "sdc_guard.runtime.lifecycle.warn_once",
 }
 
 
@@ -71,6 +107,9 @@ SOURCES = {"sdc_guard": ROOT / "sdc_guard"}
 #: compiled modules (no source here): importing one imports no source module
 EXTENSIONS = {"sdc_guard._vabft_cpu"}
 UNITS = ("core", "backends", "runtime", "respond", "bi", "tools", "kernels", "integrations")
+#: subpackages whose own folders are units too (runtime/: one folder per concern)
+#: (in their import order: each imports only folders before it; runtime/__init__.py)
+NESTED = {"runtime": ("sampling", "dispatch", "checking", "compiled", "collectives", "drills", "lifecycle")}
 
 
 def source_modules() -> dict[str, tuple[Path, bool]]:
@@ -117,6 +156,8 @@ def imports_of(name: str, path: Path, is_pkg: bool, type_checking: bool = False)
 
 def unit(module: str) -> str:
     parts = module.split(".")
+    if len(parts) > 2 and parts[2] in NESTED.get(parts[1], ()):
+        return ".".join(parts[:3])
     return ".".join(parts[:2]) if len(parts) > 1 and parts[1] in UNITS else module
 
 
@@ -184,7 +225,7 @@ def test_cycle_finder_finds_a_function_level_cycle() -> None:
 
 def test_no_import_cycle_between_modules() -> None:
     graph = import_graph()
-    assert "sdc_guard.runtime.guard" in graph and "sdc_guard.kernels.vabft_triton" in graph
+    assert "sdc_guard.runtime.lifecycle.guard" in graph and "sdc_guard.kernels.vabft_triton" in graph
     found = cycles(graph)
     assert not found, "import cycles: " + " | ".join(_describe(graph, comp) for comp in found)
 
@@ -201,6 +242,32 @@ def test_no_import_cycle_between_subpackages() -> None:
                 graph.setdefault(unit(a), {}).setdefault(unit(b), line)
     found = cycles(graph)
     assert not found, "subpackage cycles: " + " | ".join(" <-> ".join(comp) for comp in found)
+
+
+def subpackage_graph() -> dict[str, dict[str, int]]:
+    """Unit -> {unit it imports: a line}, counting ``TYPE_CHECKING`` imports."""
+    graph: dict[str, dict[str, int]] = {}
+    for a, edges in import_graph(type_checking=True).items():
+        for b, line in edges.items():
+            if "sdc_guard" not in (a, b) and unit(a) != unit(b):
+                graph.setdefault(unit(a), {}).setdefault(unit(b), line)
+    return graph
+
+
+def test_runtime_folders_import_only_the_folders_before_them() -> None:
+    """Each folder of runtime/ is a unit of its own (the cycle check above sees them), and
+    the order runtime/__init__.py documents holds: a folder imports only folders listed
+    before it in ``NESTED["runtime"]`` (so nothing below imports the guard's lifecycle),
+    counting ``TYPE_CHECKING`` imports."""
+    assert unit("sdc_guard.runtime.lifecycle.guard") == "sdc_guard.runtime.lifecycle"
+    assert unit("sdc_guard.runtime.sampling") == "sdc_guard.runtime.sampling"
+    assert unit("sdc_guard.core.precision") == "sdc_guard.core"
+    graph = subpackage_graph()
+    order = [f"sdc_guard.runtime.{name}" for name in NESTED["runtime"]]
+    assert set(order) <= set(graph), sorted(set(order) - set(graph))
+    bad = [f"{a} imports {b} (line {line})" for i, a in enumerate(order)
+           for b, line in graph[a].items() if b in order[i:]]
+    assert not bad, "; ".join(bad)
 
 
 def _private(name: str) -> bool:

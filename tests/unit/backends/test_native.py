@@ -23,7 +23,7 @@ from sdc_guard.backends import native
 from sdc_guard.core import verify
 from sdc_guard.core.abft import AbftCheck, WeightSide, weight_side
 from sdc_guard.backends import CpuBackend, GemmRequest, TorchBackend
-from sdc_guard.runtime.cache import WeightCache
+from sdc_guard.runtime.checking.cache import WeightCache
 from sdc_guard.backends import native_call
 from sdc_guard.backends.native_call import BufferWeightSide, weight_side_of
 

@@ -28,7 +28,7 @@ from torch import nn
 import sdc_guard
 from sdc_guard.backends import native_attention as na
 from sdc_guard.core.attention import EXP_U32, AttentionOperands, backward_screen, default_scale, forward_screen
-from sdc_guard.runtime import attention as rt
+from sdc_guard.runtime.dispatch import attention as rt
 
 aten = torch.ops.aten
 pytestmark = pytest.mark.skipif(not na.available(), reason=str(na.unavailable_reason()))

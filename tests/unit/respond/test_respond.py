@@ -361,7 +361,7 @@ def test_the_guards_on_off_state_is_one_switch() -> None:
     the sampler does not watch; the dispatch mode is entered exactly in ON."""
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    from sdc_guard.runtime.guard import Switch
+    from sdc_guard.runtime.lifecycle.guard import Switch
     from sdc_guard.runtime.sampling import EveryN
 
     torch.manual_seed(0)

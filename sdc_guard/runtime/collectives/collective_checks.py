@@ -1,0 +1,388 @@
+"""Check the collectives of a guarded step: what each rank sent against what each received.
+
+The guard's dispatch mode hands every collective of a watched step to ``CollectiveChecks.run``
+(``ops.Route.COLLECTIVE``). Before the collective runs, the sender's checksums of what this
+rank contributes are taken (``core/collective.py``: per segment sums and sums of magnitudes
+for a reduction, exact integer sums of the bits for an all-gather); when its result has
+landed (``collective_ops.run_then``), the receiver's checksums of what arrived. When the step
+closes, ``close`` exchanges every sender's checksums in one small all-reduce per process
+group (sum: each rank adds its own into the slots only it fills, or into the shared slots of
+a reduction) and every rank checks what it received:
+
+- all-reduce: the sum of the result's segment checksums must equal the senders' within the
+  reduction's rigorous rounding bound (``core.collective.reduction_bound``);
+- reduce-scatter: likewise for this rank's chunk, against the senders' chunk checksums;
+- all-gather: every shard's bits must match its sender's exactly.
+
+A mismatch is a ``Detection`` of kind ``"collective"``: the op, the step, the sending and
+receiving ranks, the bucket or module. It goes to the responder like a GEMM's (re-execution
+first). The exchange's header (one per rank, the step, the number of records and a digest
+of their layout, all summed) must add up: an exchange that arrives zeroed or stale is a
+detection too, never a silent pass.
+
+Every rank of a group must check the same collectives, or the exchange would wait for a rank
+that never joins it: the guard checks collectives only on the steps it intercepts, and only
+with a sampler that watches the same steps on every rank (``sampler_base.sampler_shared``).
+A failure of the checking itself (a bug, a broken group) warns once and leaves the
+collectives unchecked; it never stops training.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from ...core.torch_private import disable_current_modes
+
+from ...core.collective import (
+    bit_checksums, exchange_layout_digest, pairs_bits, reduction_flags, segment_sizes, segment_sums, segments,
+)
+from ..dispatch.collective_ops import OPS, Collective, Pending, describe, is_wait, run_then
+from ..dispatch.intercept import SiteTracker
+from ..compiled.module_names import ModuleNames
+from ...report import Detection, StepReport
+from ..sampling.sampler_base import sampler_shared
+from ...respond.distributed import is_distributed
+
+#: record kinds, in the exchange's digest
+_KIND = {op: i for i, op in enumerate(OPS)}
+#: how long ``close`` waits for a result that has not landed yet before giving up on it
+LANDING_TIMEOUT = 300.0
+
+
+@dataclass
+class Record:
+    """One checked collective of the step."""
+
+    call: Collective
+    label: str  #: the bucket or module
+    phase: str
+    call_index: int  #: GEMMs seen before it (``Detection.call_index``)
+    slots: int  #: numbers this record adds to the exchange
+    numel: int  #: elements of this rank's result
+    dtype: torch.dtype
+    wide: bool = True  #: all-gather: shards read as 32-bit words
+    waited: bool = False  #: its caller waits on the work (FSDP2): checked in the waiting thread
+    sent: Tensor | None = None  #: fp64 [slots]: this rank's part of the exchange
+    received: Tensor | None = None  #: this rank's checksums of its result
+    failed: str | None = None
+    seconds: float = 0.0  #: the receiver's checksums (on the backend's thread)
+    landed: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class CollectiveResult:
+    """What the step's collective checks found."""
+
+    detections: list[Detection] = field(default_factory=list)
+    checks: int = 0  #: collectives checked
+    by_op: dict[str, int] = field(default_factory=dict)  #: collectives checked, by op
+    unchecked: dict[str, int] = field(default_factory=dict)  #: by ``op[reason]``
+    seconds: float = 0.0  #: the checks' time: checksums, the exchange, the verdicts
+    exchange_seconds: float = 0.0  #: the part the exchange's all-reduces took
+    exchanged: int = 0  #: fp64 numbers this rank sent in them
+
+    def into(self, report: StepReport) -> None:
+        """Add what the checks found to the step's report (a detection flags the step)."""
+        report.detections.extend(self.detections)
+        report.flagged += len(self.detections)
+        report.collective_checks = self.checks
+        report.collective_checks_by_op = dict(self.by_op)
+        report.collectives_unchecked = dict(self.unchecked)
+        report.collective_seconds = self.seconds
+        report.collective_exchange_seconds = self.exchange_seconds
+
+
+class CollectiveChecks:
+    """The collective checks of one guard: records per step, the exchange, the verdicts.
+
+    ``sites`` (the guard's site tracker) names the module running when a collective is
+    issued, ``names`` (its ``ModuleNames``) an FSDP2 group's module; ``warn(key, message)``
+    warns once (the guard's)."""
+
+    def __init__(self, sites: SiteTracker, names: ModuleNames, warn: Callable[[str, str], None]) -> None:
+        self._sites = sites
+        self._names = names
+        self._warn = warn
+        self._buckets = 0
+        self.enabled = False
+        self.last_exchanged = 0  #: fp64 numbers the last closed step exchanged (``sdc-guard bench collectives``)
+        self._records: list[Record] = []
+        self._unchecked: dict[str, int] = {}
+        self._seconds = 0.0
+        self._pending = Pending()
+
+    # --- during the step ---------------------------------------------------------------
+
+    def begin(self, *, requested: bool, compiled: bool, sampler: Any) -> None:
+        """A step opens: drop what the last one left; check its collectives if
+        ``requested`` (``protect(collectives=True)`` and a watched step) and a process group
+        exists, on the dispatch route, under a sampler that watches the same steps on
+        every rank (else warn once why not)."""
+        enabled = requested and is_distributed()
+        if enabled and (compiled or not sampler_shared(sampler)):
+            why = ("on the compiled route (protect(compiled=True) or a compiled model): compiled graphs run "
+                   "without the dispatch mode that sees the collectives" if compiled else
+                   f"under {type(sampler).__name__}, whose watched steps differ from rank to rank (the checks "
+                   "exchange checksums in a collective every rank must join); use a sampler that watches the same "
+                   "steps on every rank (Full, EveryN, Rotating) or set its shared_schedule = True")
+            self._warn("collectives:off", f"sdc_guard: the collectives are not checked {why} "
+                       "(docs/DISTRIBUTED.md, 'Collectives')")
+            enabled = False
+        self.enabled = enabled
+        self._records = []
+        self._unchecked = {}
+        self._seconds = 0.0
+        self._buckets = 0
+        self._pending.clear()
+
+    def _label(self, call: Collective, phase: str) -> tuple[str, bool]:
+        """The bucket or module of a collective, and whether FSDP2 issued it (it waits on
+        its works and never asks for their futures: ``run_then``'s ``waited``): an FSDP2
+        group's module, by its path (the model's class name for the model itself), else a
+        DDP bucket (an all-reduce its reducer runs during the backward: ``"bucket k"``, in
+        launch order), else the module running (``SiteTracker.site``: ``"global"`` outside
+        every module)."""
+        module = fsdp_module()
+        if module is not None:
+            path = self._names.of_module_id(id(module))
+            return (type(self._names.model).__name__ if not path else path) if path is not None else "global", True
+        if call.op == "all_reduce" and phase == "backward" and not call.functional:
+            self._buckets += 1
+            return f"bucket {self._buckets - 1}", False
+        assert call.send is not None
+        return self._sites.site(call.send, ()), False
+
+    def run(self, func: Any, args: tuple, kwargs: dict, *, phase: str, call_index: int) -> Any:
+        """Run one collective op of the step, checked where it can be."""
+        if not self.enabled:
+            return func(*args, **kwargs)
+        if is_wait(func):  # functional results are waited for when they are issued (run_then)
+            return func(*args, **kwargs)
+        started = time.perf_counter()
+        record = None
+        try:
+            call = describe(func, args, kwargs)
+            if call is not None and call.unchecked is not None:
+                key = f"{call.op}[{call.unchecked}]"
+                self._unchecked[key] = self._unchecked.get(key, 0) + 1
+            elif call is not None:
+                record = self._record(call, phase, call_index)
+        except Exception as exc:  # monitoring never breaks the op
+            self._warn(f"collective:{type(exc).__name__}", f"sdc_guard: could not check a collective "
+                       f"({type(exc).__name__}: {exc}); it runs unchecked")
+            record = None
+        self._seconds += time.perf_counter() - started
+        if record is None:
+            return func(*args, **kwargs)
+        self._records.append(record)
+        try:
+            return run_then(func, args, kwargs, record.call, lambda result: self._landed(record, result), self._pending,
+                            waited=record.waited)
+        except BaseException:  # the collective itself failed: nothing to check
+            self._records.remove(record)
+            raise
+
+    def _record(self, call: Collective, phase: str, call_index: int) -> Record:
+        """The sender's checksums of a collective about to run. Their size in the exchange
+        is fixed by the collective's shape alone, so that a rank whose checksums fail (a
+        monitoring failure) still sends as many numbers as the others (NaN: unverifiable)."""
+        assert call.send is not None
+        g, me, send = call.group_size, call.group_rank, call.send
+        numel = {"all_reduce": send.numel(), "reduce_scatter": send.numel() // g}.get(call.op, send.numel() * g)
+        slots = 2 * g if call.op == "all_gather" else 3 * segments(numel) * (g if call.op == "reduce_scatter" else 1)
+        label, waited = self._label(call, phase)
+        record = Record(call, label, phase, call_index, slots, numel, send.dtype,
+                        wide=pairs_bits(send.dtype, send.numel()), waited=waited)
+        try:
+            if call.op == "all_reduce":  # [sums (segments x 2), magnitudes (segments)]
+                sums, absolute = segment_sums(send, with_abs=True)
+                sent = torch.cat([sums.reshape(-1), absolute])
+            elif call.op == "reduce_scatter":  # [sums (g x segments x 2), magnitudes (g x segments)]
+                sums, absolute = segment_sums(send, with_abs=True, rows=g)
+                sent = torch.cat([sums.reshape(-1), absolute.reshape(-1)])
+            else:  # [g x 2]: this rank's shard in its own row, zeros elsewhere
+                sent = torch.zeros((g, 2), dtype=torch.float64, device=send.device)
+                sent[me] = bit_checksums(send, record.wide)[0].to(torch.float64)
+                sent = sent.reshape(-1)
+            assert sent.numel() == slots, (call.op, sent.numel(), slots)
+            record.sent = sent
+        except Exception as exc:  # monitoring never breaks the op: this rank sends NaN
+            record.failed = f"{type(exc).__name__}: {exc}"
+        return record
+
+    def _landed(self, record: Record, result: Tensor) -> None:
+        """The receiver's checksums, once the result is there (on the backend's thread for
+        ``c10d`` ops). Never raises: a failure leaves the record unchecked."""
+        started = time.perf_counter()
+        try:
+            with disable_current_modes():
+                flat = result.reshape(-1)
+                if record.call.op == "all_gather":
+                    record.received = bit_checksums(flat, record.wide, rows=record.call.group_size)
+                else:
+                    record.received = segment_sums(flat, with_abs=False)[0]
+        except Exception as exc:
+            record.failed = f"{type(exc).__name__}: {exc}"
+        finally:
+            record.seconds = time.perf_counter() - started
+            record.landed.set()
+
+    # --- when the step closes ------------------------------------------------------------
+
+    def abandon(self) -> None:
+        """The step's closure raised: its collectives are not exchanged (a rank that
+        raised alone would otherwise wait in the exchange for ranks that never come)."""
+        self._records = []
+        self._unchecked = {}
+        self._pending.clear()
+        self.enabled = False
+
+    @property
+    def pending(self) -> bool:
+        """Whether the open step has collectives to check (or counted unchecked)."""
+        return bool(self._records or self._unchecked)
+
+    def close(self, step: int, rank: int) -> CollectiveResult:
+        """Exchange the senders' checksums (one all-reduce per process group, in the order
+        of the groups' names, so that no two ranks wait on each other) and check what this
+        rank received. Every rank of a group calls it at the same step with the same records."""
+        started = time.perf_counter()
+        result = CollectiveResult(unchecked=dict(self._unchecked))
+        records, self._records = self._records, []
+        self._unchecked = {}
+        self.enabled = False  # a collective after the step closed (the responder's) is not the step's
+        if records:
+            with disable_current_modes():
+                self._finish(records)
+                by_group: dict[str, list[Record]] = {}
+                for r in records:
+                    by_group.setdefault(r.call.group.group_name, []).append(r)
+                for name in sorted(by_group):
+                    self._exchange(by_group[name], step, rank, result)
+        result.seconds = self._seconds + sum(r.seconds for r in records) + time.perf_counter() - started
+        self.last_exchanged = result.exchanged
+        self._seconds = 0.0
+        return result
+
+    def _finish(self, records: list[Record]) -> None:
+        """Every result landed: functional ones waited for, the others awaited."""
+        try:
+            self._pending.flush()
+        except Exception as exc:
+            self._warn(f"collective-wait:{type(exc).__name__}", f"sdc_guard: could not wait for a collective's "
+                       f"result ({type(exc).__name__}: {exc}); it goes unchecked")
+        for r in records:
+            if not r.landed.wait(LANDING_TIMEOUT):
+                r.failed = f"its result did not land within {LANDING_TIMEOUT:.0f} s"
+
+    def _exchange(self, records: list[Record], step: int, rank: int, result: CollectiveResult) -> None:
+        group = records[0].call.group
+        size = group.size()
+        device = records[0].call.send.device if records[0].call.send is not None else torch.device("cpu")
+        digest = exchange_layout_digest([(_KIND[r.call.op], r.slots) for r in records])
+        header = torch.tensor([1.0, float(step), float(len(records)), digest], dtype=torch.float64, device=device)
+        # what this rank sent, even when its own result could not be checked: the others need it
+        parts = [header] + [r.sent.to(device) if r.sent is not None
+                            else torch.full((r.slots,), math.nan, dtype=torch.float64, device=device)
+                            for r in records]
+        began = time.perf_counter()
+        try:
+            exchanged = torch.cat(parts)
+            dist.all_reduce(exchanged, group=group)
+            values = exchanged.cpu()
+            result.exchange_seconds += time.perf_counter() - began
+            result.exchanged += exchanged.numel()
+        except Exception as exc:  # a broken group: the step's collectives go unchecked
+            self._warn(f"collective-exchange:{type(exc).__name__}", f"sdc_guard: the collectives' checksum "
+                       f"exchange failed ({type(exc).__name__}: {exc}); they go unchecked")
+            for r in records:
+                key = f"{r.call.op}[exchange]"
+                result.unchecked[key] = result.unchecked.get(key, 0) + 1
+            return
+        expected = [float(size), float(size * step), float(size * len(records)), size * digest]
+        if values[:4].tolist() != expected:
+            senders = sorted(dist.get_process_group_ranks(group))
+            result.detections.append(Detection(
+                step, f"checksum exchange ({group.group_name})", "exchange", records[0].phase, [], [],
+                math.inf, (len(values),), "float64", records[0].call_index, rank, "collective", senders, rank))
+            result.checks += len(records)
+            for r in records:
+                result.by_op[r.call.op] = result.by_op.get(r.call.op, 0) + 1
+            return
+        offset = 4
+        ranks = dist.get_process_group_ranks(group)
+        for r in records:
+            block = values[offset: offset + r.slots]
+            offset += r.slots
+            if r.failed is not None or r.received is None:
+                key = f"{r.call.op}[failed]"
+                result.unchecked[key] = result.unchecked.get(key, 0) + 1
+                if r.failed is not None:
+                    self._warn(f"collective-failed:{r.failed[:40]}", f"sdc_guard: could not check a "
+                               f"{r.call.op} ({r.failed}); it goes unchecked")
+                continue
+            result.checks += 1
+            result.by_op[r.call.op] = result.by_op.get(r.call.op, 0) + 1
+            detection = _verdict(r, block, step, rank, ranks)
+            if detection is not None:
+                result.detections.append(detection)
+
+
+def _verdict(r: Record, block: Tensor, step: int, rank: int, ranks: list[int]) -> Detection | None:
+    """This rank's verdict on one collective: a detection, or None when what it received
+    is what was sent. ``ranks``: the group's global ranks, by group rank."""
+    call = r.call
+    g, me = call.group_size, call.group_rank
+    received = r.received.cpu()
+    if call.op == "all_gather":
+        sent = block.view(g, 2)
+        # a sender whose checksums failed sent NaN: its shard is unverifiable, not corrupt
+        bad = ((received.to(torch.float64) != sent) & torch.isfinite(sent)).any(1)
+        shards = torch.nonzero(bad).flatten().tolist()
+        if not shards:
+            return None
+        return Detection(step, r.label, call.op, r.phase, [], shards, math.inf, (r.numel,),
+                         str(r.dtype).removeprefix("torch."), r.call_index, rank, "collective",
+                         [ranks[j] for j in shards], rank)
+    nseg = segments(r.numel)
+    if call.op == "all_reduce":
+        expected, magnitudes = block[: 2 * nseg].view(nseg, 2), block[2 * nseg:]
+    else:
+        expected = block[: 2 * g * nseg].view(g, nseg, 2)[me]
+        magnitudes = block[2 * g * nseg:].view(g, nseg)[me]
+    corrupt, _, ratio = reduction_flags(received, expected, magnitudes, segment_sizes(r.numel), r.dtype, g, call.scale)
+    flagged = torch.nonzero(corrupt).flatten().tolist()
+    if not flagged:
+        return None
+    worst = float(ratio[corrupt].max()) if bool(torch.isfinite(ratio[corrupt]).all()) else math.inf
+    return Detection(step, r.label, call.op, r.phase, [], flagged, worst, (r.numel,),
+                     str(r.dtype).removeprefix("torch."), r.call_index, rank, "collective", sorted(ranks), rank)
+
+
+def fsdp_module(max_depth: int = 30) -> Any:
+    """The first module of the FSDP2 parameter group whose all-gather or reduce-scatter is
+    running, found on the calling Python stack (``FSDPParamGroup.unshard`` /
+    ``post_backward`` hold it as ``self``, its modules as ``self.modules``); ``None`` when
+    there is none (a DDP bucket, a plain call). Best effort: a torch release that renames
+    these leaves collectives labelled by position."""
+    try:
+        frame = sys._getframe(1)
+    except ValueError:
+        return None
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self") if frame.f_code.co_name in ("unshard", "post_backward") else None
+        if owner is not None and type(owner).__name__ == "FSDPParamGroup":
+            modules = getattr(owner, "modules", None)
+            return modules[0] if modules else None
+        frame = frame.f_back
+    return None

@@ -1,0 +1,168 @@
+"""The check op the graph pass puts into compiled graphs: an aten call replayed through the
+eager route's own handlers (docs/COMPILE.md).
+
+``runtime/compiled/graph_pass.py`` finds, in the forward and backward graphs AOT autograd hands its
+compilers, every node whose aten op the op registry (``runtime/dispatch/ops.py``) routes as a GEMM
+or as fused attention, and puts one ``sdc_guard::check_node`` after it. The node carries
+the call as the graph has it: its tensors (inputs, then the outputs), and a ``spec`` that
+says where each tensor goes among the call's arguments and holds the other arguments as
+literals. At run time the op rebuilds ``(args, kwargs, out)`` and hands them to the same
+handler the dispatch mode would (``ops.GEMM_HANDLERS``, ``attention.ATTENTION_HANDLERS``),
+so a compiled GEMM is described, sampled, screened, confirmed and reported exactly as an
+eager one: one registry, one intake (``Guard.on_gemm`` / ``on_attention``). Ops that carry
+a GEMM the registry cannot verify get ``note_unverified`` (``graph_checks``) instead.
+
+Like the other check ops it returns nothing and writes nothing, and is registered as a
+side effect (``graph_checks.keep_in_graph``) so that dead-code elimination keeps it. A
+drill may corrupt the output first (``graph_checks.run_drills``), as a faulty unit would
+have written it.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import time
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from ...core.torch_private import DisableTorchFunction
+from ..dispatch.attention import ATTENTION_HANDLERS, AttentionCall, BACKWARD_OP
+from .graph_checks import check_op, count_check, current_sink, resolve_site, run_drills
+from ..dispatch.intercept import current_phase
+from ..dispatch.ops import GEMM_HANDLERS, Gemm, Route, route_of
+
+#: how a tensor is named inside a ``spec`` (``("@", i)``: the i-th of ``tensors``)
+TENSOR = "@"
+
+
+class Unsupported(ValueError):
+    """An argument a spec cannot hold as a literal (a symbolic size, a dtype, ...)."""
+
+
+def encode(value: Any, tensors: list[Any], is_tensor: Callable[[Any], bool]) -> Any:
+    """``value`` (an argument of a graph node) as a literal, each tensor replaced by
+    ``(TENSOR, index)`` and appended to ``tensors``. Raises ``Unsupported`` for anything
+    ``ast.literal_eval`` could not read back exactly."""
+    if is_tensor(value):
+        tensors.append(value)
+        return (TENSOR, len(tensors) - 1)
+    if isinstance(value, (list, tuple)):
+        items = [encode(v, tensors, is_tensor) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: encode(v, tensors, is_tensor) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float) and value == value and value not in (float("inf"), float("-inf")):
+        return value
+    raise Unsupported(f"{type(value).__name__} {value!r}")
+
+
+def encode_call(args: tuple, kwargs: dict, is_tensor: Callable[[Any], bool]) -> tuple[str, list[Any]]:
+    """The ``spec`` of a call and the tensors it refers to, in order."""
+    tensors: list[Any] = []
+    spec = repr((encode(tuple(args), tensors, is_tensor), encode(dict(kwargs), tensors, is_tensor)))
+    return spec, tensors
+
+
+@functools.lru_cache(maxsize=4096)
+def _template(spec: str) -> tuple[Any, Any]:
+    return ast.literal_eval(spec)
+
+
+@functools.lru_cache(maxsize=4096)
+def _positions(spec: str) -> tuple[int, ...] | None:
+    """For a spec whose arguments are tensors only, in order, and no keyword (a GEMM's
+    usual case): their indices, so that the call is rebuilt without walking the template."""
+    args, kwargs = _template(spec)
+    if kwargs or not all(isinstance(a, tuple) and len(a) == 2 and a[0] == TENSOR for a in args):
+        return None
+    return tuple(a[1] for a in args)
+
+
+def _fill(template: Any, tensors: list[Optional[Tensor]]) -> Any:
+    if isinstance(template, tuple):
+        if len(template) == 2 and template[0] == TENSOR and isinstance(template[1], int):
+            return tensors[template[1]]
+        return tuple(_fill(t, tensors) for t in template)
+    if isinstance(template, list):
+        return [_fill(t, tensors) for t in template]
+    if isinstance(template, dict):
+        return {k: _fill(v, tensors) for k, v in template.items()}
+    return template
+
+
+def decode_call(spec: str, tensors: list[Optional[Tensor]]) -> tuple[tuple, dict]:
+    """The ``(args, kwargs)`` that ``spec`` and ``tensors`` describe (``encode_call``'s inverse)."""
+    positions = _positions(spec)
+    if positions is not None:
+        return tuple(tensors[i] for i in positions), {}
+    args, kwargs = _template(spec)
+    return _fill(args, tensors), _fill(kwargs, tensors)
+
+
+@functools.lru_cache(maxsize=None)
+def overload(name: str) -> Any:
+    """The aten overload named ``name`` (``"aten.mm.default"``)."""
+    namespace, packet, which = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), packet), which)
+
+
+def overload_name(op: Any) -> str:
+    """``overload``'s inverse: ``"aten.mm.default"``."""
+    return f"{op.namespace}.{op._schema.name.split('::')[-1]}.{op._overloadname}"
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(op: str) -> tuple[Any, Route]:
+    """The overload named ``op`` and its route (looked up once per op)."""
+    func = overload(op)
+    return func, route_of(func)
+
+
+@check_op("check_node(str op, Tensor?[] tensors, str spec, Tensor?[] outputs, Tensor[] anchors, str site, "
+          "str fallback) -> ()")
+def check_node(op: str, tensors: list[Optional[Tensor]], spec: str, outputs: list[Optional[Tensor]],
+               anchors: list[Tensor], site: str, fallback: str) -> None:
+    """Verify the aten call ``op`` made with the arguments ``spec`` and ``tensors`` describe
+    and that returned ``outputs`` (one tensor, or the elements of a tuple; ``None`` for
+    one the graph does not keep), with this thread's guard. ``site``: the module the graph
+    names for it (``""``: none; the module owning the first of ``anchors`` that is a
+    parameter, the one it multiplies by, names it at run time, else ``fallback``). The
+    phase is the run's: ``backward`` inside autograd's backward (recomputations included),
+    else ``forward``. Reads its tensors, writes none of them; its own time is charged to
+    the guard (``Guard.charge``), as the time of the verification it runs is."""
+    sink = current_sink()
+    if sink is None:  # a graph compiled inside protect() and run outside it: nothing to do
+        return
+    started = time.perf_counter()
+    with DisableTorchFunction():  # verification's own ops are not the model's
+        func, route = _plan(op)
+        args, kwargs = decode_call(spec, tensors)
+        out: Any = outputs[0] if len(outputs) == 1 else tuple(outputs)
+        site = resolve_site(site, anchors) or fallback
+        phase = current_phase()
+        if route is Route.GEMM:
+            gemm = GEMM_HANDLERS[func.overloadpacket](args, kwargs, out)
+            if not isinstance(gemm, Gemm):
+                sink.on_unverified(str(func.overloadpacket))
+                return
+            run_drills(gemm.op, gemm.out, site, phase)
+            sink.charge(time.perf_counter() - started)  # what on_gemm does not time itself
+            sink.on_gemm(gemm, site or None, phase)
+        elif route is Route.ATTENTION:
+            handler = ATTENTION_HANDLERS.get(func.overloadpacket)
+            call = handler(args, kwargs, out) if handler is not None and func is func.overloadpacket.default else None
+            if not isinstance(call, AttentionCall):
+                sink.on_unverified(str(func.overloadpacket))
+                return
+            if call.op == BACKWARD_OP and call.grads is not None:
+                run_drills(call.op, call.grads, site, phase)
+            elif call.out is not None:
+                run_drills(call.op, call.out, site, phase)
+            sink.charge(time.perf_counter() - started)
+            sink.on_attention(call, site or None, phase)
+        count_check()

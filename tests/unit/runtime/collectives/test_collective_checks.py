@@ -1,0 +1,336 @@
+"""The collective checks in one process: the checksums and the rounding bound of a reduction
+(sdc_guard/core/collective.py) on gradients of a real training step, the all-gather's exact
+bit checksums, the drill's and protect()'s arguments, the route of the collective ops, the
+metrics, and one real (single-rank gloo) all-reduce caught under protect().
+
+The multi-rank runs (DDP, FSDP2, tensor parallelism) are tests/test_collectives.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from prometheus_client import CollectorRegistry
+
+
+import sdc_guard  # noqa: E402
+from models import TinyGPT, lm_batch  # noqa: E402
+from sdc_guard.core.collective import (  # noqa: E402
+    SEGMENT, bit_checksums, pairs_bits, reduction_bound, reduction_flags, segment_sizes, segment_sums,
+)
+from sdc_guard.metrics import GuardMetrics  # noqa: E402
+from sdc_guard.runtime.dispatch.ops import Route, route_of  # noqa: E402
+from sdc_guard.runtime.report import Detection, StepReport  # noqa: E402
+from sdc_guard.runtime.sampling import Budget, EveryN, Full, Rotating, Screened, sampler_shared  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@functools.lru_cache(maxsize=None)
+def _gradients(ranks: int) -> tuple[torch.Tensor, ...]:
+    """Each simulated rank's flat gradient of one real step of the tiny GPT (its own batch),
+    divided by the rank count as DDP divides its buckets."""
+    out = []
+    for rank in range(ranks):
+        torch.manual_seed(0)
+        model = TinyGPT(layers=1)
+        x, y = lm_batch(rank)
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        out.append(torch.cat([p.grad.flatten() for p in model.parameters()]) / ranks)
+    return tuple(out)
+
+
+def _reduce(xs: list[torch.Tensor], order: list[int], average: bool) -> torch.Tensor:
+    """A correct reduction in the inputs' dtype, adding in ``order`` and rounding after each
+    addition (what a ring or a tree of ranks does, hop by hop)."""
+    r = xs[order[0]].clone()
+    for j in order[1:]:
+        r = r + xs[j]
+    return r / len(xs) if average else r
+
+
+def _verdict(xs: list[torch.Tensor], result: torch.Tensor, dtype: torch.dtype, average: bool):
+    sent = [segment_sums(x, with_abs=True) for x in xs]
+    expected = sum(s for s, _ in sent)
+    magnitudes = sum(a for _, a in sent)
+    received = segment_sums(result, with_abs=False)[0]
+    return reduction_flags(received, expected, magnitudes, segment_sizes(result.numel()), dtype, len(xs),
+                           len(xs) if average else 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+@pytest.mark.parametrize("average", [False, True], ids=["sum", "avg"])
+def test_correct_reductions_of_real_gradients_stay_within_the_bound(dtype: torch.dtype, ranks: int,
+                                                                    average: bool) -> None:
+    """No false positive: real gradients reduced in every order a ring or a tree may use
+    (and with the average's division), in fp32, bf16 and fp16, never exceed the bound."""
+    xs = [x.to(dtype) for x in _gradients(ranks)]
+    orders = [list(range(ranks)), list(reversed(range(ranks))), [r for r in range(ranks) if r % 2] +
+              [r for r in range(ranks) if not r % 2]]
+    worst = 0.0
+    for order in orders:
+        corrupt, unverifiable, ratio = _verdict(xs, _reduce(xs, order, average), dtype, average)
+        assert not corrupt.any() and not unverifiable.any(), (order, ratio.max())
+        worst = max(worst, float(ratio.max()))
+    assert 0 < worst < 0.25  # measured: below 0.04 everywhere (the bound is a worst case)
+
+
+def test_the_bound_holds_under_cancellation() -> None:
+    """An adversarial reduction: two ranks send x and -x(1 - 2^-22), whose exact sum is tiny,
+    so that every rounding is at its largest relative to the result."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3 * SEGMENT + 5, generator=gen) * 1e3
+    xs = [x, -(x * (1 - 2.0 ** -22))]
+    corrupt, _, ratio = _verdict(xs, xs[0] + xs[1], torch.float32, False)
+    assert not corrupt.any() and float(ratio.max()) < 1
+
+
+@pytest.mark.parametrize("dtype, ranks, largest", [
+    (torch.float32, 2, 0.1), (torch.float32, 8, 0.1), (torch.bfloat16, 2, 50.0), (torch.bfloat16, 8, 400.0),
+    (torch.float16, 2, 10.0), (torch.float16, 8, 50.0)], ids=str)
+def test_a_single_wrong_element_is_caught(dtype: torch.dtype, ranks: int, largest: float) -> None:
+    """Detection power on real gradients: one element of the result off by ``largest`` times
+    the result's mean magnitude is caught wherever it falls (measured, 20 positions: fp32
+    catches 0.6-3 % of the mean, bf16 6-24x at 2 ranks and 50-190x at 8, fp16 1-3x and
+    7-24x; the bound grows with the ranks' roundings), and so is a flipped top exponent bit."""
+    xs = [x.to(dtype) for x in _gradients(ranks)]
+    result = _reduce(xs, list(range(ranks)), False)
+    mean = float(result.abs().double().mean())
+    for i in range(0, result.numel(), result.numel() // 20):
+        wrong = result.clone()
+        wrong[i] = wrong[i] + largest * mean
+        corrupt, _, _ = _verdict(xs, wrong, dtype, False)
+        assert corrupt.nonzero().flatten().tolist() == [i // SEGMENT], i
+        flipped = result.clone()
+        bits = flipped.view(torch.int32 if dtype == torch.float32 else torch.int16)
+        bits[i] ^= 1 << (30 if dtype == torch.float32 else 14)
+        assert _verdict(xs, flipped, dtype, False)[0].any(), i
+
+
+def test_non_finite_values() -> None:
+    """A sender's inf propagates legitimately (unverifiable, never a detection); a NaN in the
+    result of finite senders is corruption; an fp16 sum that may overflow is not."""
+    xs = [torch.ones(SEGMENT + 3), torch.ones(SEGMENT + 3)]
+    bad = xs[0].clone()
+    bad[SEGMENT + 1] = math.inf
+    corrupt, unverifiable, _ = _verdict([bad, xs[1]], bad + xs[1], torch.float32, False)
+    assert not corrupt.any() and unverifiable.tolist() == [False, True]
+    result = xs[0] + xs[1]
+    result[5] = math.nan
+    corrupt, unverifiable, _ = _verdict(xs, result, torch.float32, False)
+    assert corrupt.tolist() == [True, False] and not unverifiable.any()
+    big = [torch.full((8,), 40000.0, dtype=torch.float16)] * 2
+    corrupt, unverifiable, _ = _verdict(big, big[0] + big[1], torch.float16, False)  # inf, legitimately
+    assert not corrupt.any() and unverifiable.all()
+
+
+def test_the_bound_in_numbers() -> None:
+    """The bound's scale: two fp32 ranks, one full segment of unit magnitudes: the two
+    roundings of the checksums' fp32 partials dominate the reduction's own (2^-24)."""
+    bound = reduction_bound(torch.tensor([2.0 * SEGMENT], dtype=torch.float64), segment_sizes(SEGMENT),
+                            torch.float32, 2, 1)
+    assert 2.0 ** -24 * 2 * SEGMENT < float(bound) < 3e-5 * 2 * SEGMENT
+
+
+def test_segment_sums_are_exact_to_their_own_rounding() -> None:
+    x = _gradients(2)[0]
+    sums, magnitudes = segment_sums(x, with_abs=True)
+    chunks = x.split(SEGMENT)
+    assert sums.shape == (len(chunks), 2) and magnitudes.shape == (len(chunks),)
+    for (even, odd), m, chunk in zip(sums.tolist(), magnitudes.tolist(), chunks):
+        a = math.fsum(chunk.abs().double().tolist())
+        assert abs(even - math.fsum(chunk[0::2].double().tolist())) <= 32 * 2.0 ** -24 * a
+        assert abs(odd - math.fsum(chunk[1::2].double().tolist())) <= 32 * 2.0 ** -24 * a
+        assert abs(m - a) <= 64 * 2.0 ** -24 * a
+    rows, _ = segment_sums(torch.cat([x, x]), with_abs=False, rows=2)  # a reduce-scatter's chunks
+    assert torch.equal(rows[0], rows[1]) and torch.equal(rows[0], sums)
+
+
+def test_a_zeroed_segment_that_sums_to_zero_is_caught() -> None:
+    """The gradient of a LayerNorm's input sums to zero over each token's row, and so do
+    the token embedding's: a plain segment sum cannot tell such a segment from zeros.
+    The even and odd halves can (fp32 and bf16, two ranks)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = [x.to(dtype) for x in _gradients(2)]
+        result = xs[0] + xs[1]
+        first = result[:SEGMENT]  # the token embedding's gradient: 64 rows of 32, each summing to ~0
+        assert abs(float(first.double().sum())) < 1e-3 * float(first.double().abs().sum())
+        zeroed = result.clone()
+        zeroed[:SEGMENT] = 0
+        corrupt, _, _ = _verdict(xs, zeroed, dtype, False)
+        assert corrupt.nonzero().flatten().tolist() == [0], dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bit_checksums_see_every_flipped_bit_and_misplaced_segment(dtype: torch.dtype) -> None:
+    shard = _gradients(2)[0][: 3 * SEGMENT + 7].to(dtype)
+    wide = pairs_bits(dtype, shard.numel())
+    clean = bit_checksums(shard, wide)
+    width = 32 if dtype == torch.float32 else 16
+    view = torch.int32 if width == 32 else torch.int16
+    for bit in range(width):
+        flipped = shard.clone()
+        flipped.view(view)[1234] ^= (1 << bit) if bit < width - 1 else -(1 << bit)
+        assert bit_checksums(flipped, wide)[0, 0] != clean[0, 0], bit
+    moved = torch.cat([shard[SEGMENT: 2 * SEGMENT], shard[:SEGMENT], shard[2 * SEGMENT:]])
+    assert bit_checksums(moved, wide)[0, 0] == clean[0, 0] and bit_checksums(moved, wide)[0, 1] != clean[0, 1]
+    # an all-gather's shards at any offset read the same words as their sender's copy
+    gathered = torch.cat([shard[:-1], shard[:-1]])  # odd shards: 2-byte words at odd offsets
+    odd = pairs_bits(dtype, shard.numel() - 1)
+    rows = bit_checksums(gathered, odd, rows=2)
+    assert torch.equal(rows[0], bit_checksums(shard[:-1].clone(), odd)[0]) and torch.equal(rows[0], rows[1])
+
+
+def test_collective_fault_arguments_are_checked_and_named() -> None:
+    with pytest.raises(ValueError, match="op: expected one of 'all_reduce', 'all_gather', 'reduce_scatter'"):
+        sdc_guard.CollectiveFault(op="broadcast")
+    with pytest.raises(ValueError, match="corruption: expected one of 'zero', 'flip', 'stale', got 'garbage'"):
+        sdc_guard.CollectiveFault(op="all_reduce", corruption="garbage")
+    with pytest.raises(ValueError, match="rank: expected a non-negative int or None, got -1"):
+        sdc_guard.CollectiveFault(op="all_reduce", rank=-1)
+    with pytest.raises(ValueError, match="shard: expected None for op='all_reduce'"):
+        sdc_guard.CollectiveFault(op="all_reduce", shard=0)
+    with pytest.raises(TypeError, match="sticky: expected a bool"):
+        sdc_guard.CollectiveFault(op="all_gather", sticky=1)
+    with pytest.raises(TypeError, match="faults: expected GemmFault or CollectiveFault objects, got str"):
+        sdc_guard.drill(torch.nn.Linear(2, 2), "all_reduce")
+    with pytest.raises(TypeError, match="collectives: expected a bool"):
+        sdc_guard.protect(torch.nn.Linear(2, 2), collectives="yes")
+
+
+def test_only_samplers_that_watch_the_same_steps_everywhere_check_collectives() -> None:
+    assert [sampler_shared(s) for s in (Full(), EveryN(3), Rotating(4), Screened(), Screened(EveryN(2)))] == [True] * 5
+    assert [sampler_shared(s) for s in (Budget(0.05), Screened(Budget(0.05)), object())] == [False] * 3
+
+
+def test_collective_ops_take_the_collective_route() -> None:
+    for op in (torch.ops.c10d.allreduce_.default, torch.ops.c10d._allgather_base_.default,
+               torch.ops.c10d._reduce_scatter_base_.default, torch.ops._c10d_functional.all_reduce.default,
+               torch.ops._c10d_functional.wait_tensor.default, torch.ops.c10d.broadcast_.default):
+        assert route_of(op) is Route.COLLECTIVE, op  # a broadcast: counted as unchecked
+
+
+def test_metrics_count_collective_checks_and_detections_by_op_and_link() -> None:
+    registry = CollectorRegistry()
+    metrics = GuardMetrics(registry, rank=1)
+    gather = Detection(4, "blocks.0", "all_gather", "forward", [], [0, 3], math.inf, (64,), "bfloat16", 9, 1,
+                       "collective", [0, 3], 1)
+    reduce = Detection(4, "bucket 0", "all_reduce", "backward", [], [2], 7.0, (64,), "float32", 9, 1,
+                       "collective", [0, 1, 2, 3], 1)
+    report = StepReport(step=4, seen=0, verified=0, flagged=2, detections=[gather, reduce], unverified_ops={},
+                        verify_seconds=0.0, step_seconds=1.0, overhead=0.0, collective_checks=3,
+                        collective_checks_by_op={"all_gather": 2, "all_reduce": 1},
+                        collectives_unchecked={"all_reduce[reduce op]": 1})
+    metrics.observe_report(report)
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"rank": "1", **labels})
+
+    assert value("sdc_guard_collective_checks_total", op="all_gather") == 2
+    assert value("sdc_guard_collective_checks_total", op="reduce_scatter") == 0  # exported from the start
+    assert value("sdc_guard_collective_detections_total", op="all_gather", link="0->1") == 1
+    assert value("sdc_guard_collective_detections_total", op="all_gather", link="3->1") == 1
+    assert value("sdc_guard_collective_detections_total", op="all_reduce", link="*->1") == 1
+    assert value("sdc_guard_collectives_unchecked_total", op="all_reduce[reduce op]") == 1
+    assert value("sdc_guard_flagged_steps_total") == 1
+    assert value("sdc_guard_site_gemms_flagged_total", site="blocks.0") is None  # not a GEMM
+
+
+@pytest.fixture
+def one_rank_group():
+    """A real single-rank gloo process group for the test, destroyed after it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_corrupted_all_reduce_is_caught_under_protect(one_rank_group: None) -> None:
+    """The whole path in one process: a plain ``dist.all_reduce`` of real gradients under
+    protect(), its result flipped by a drill at step 1; the step's report names the op, the
+    link and the segment, the drill's stale and zero corruptions are caught too, and a
+    clean step checks the collective and finds nothing."""
+    model = torch.nn.Linear(4, 4)
+    grads = _gradients(1)[0][: 3 * SEGMENT]
+    faults = [sdc_guard.CollectiveFault(op="all_reduce", step=1, element=SEGMENT + 5, bit=30),
+              sdc_guard.CollectiveFault(op="all_reduce", step=2, corruption="zero"),
+              sdc_guard.CollectiveFault(op="all_reduce", step=3, corruption="stale")]
+    reports = []
+    with sdc_guard.drill(model, *faults) as drill:
+        for step in range(4):
+            with sdc_guard.protect(model) as guard:
+                model(torch.randn(2, 4)).sum().backward()
+                buffer = grads * (step + 1)
+                dist.all_reduce(buffer)
+            reports.append(guard.last_report)
+    assert [r.collective_checks for r in reports] == [1, 1, 1, 1]
+    assert [[(d.kind, d.op, d.senders, d.receiver, d.segments) for d in r.detections] for r in reports] == [
+        [], [("collective", "all_reduce", [0], 0, [1])], [("collective", "all_reduce", [0], 0, [0, 1, 2])],
+        [("collective", "all_reduce", [0], 0, [0, 1, 2])]]
+    assert [i.corruption for i in drill.injections] == ["flip", "zero", "stale"]
+    assert reports[1].flagged == 1 and reports[0].flagged == 0
+
+
+def test_no_collective_is_checked_without_a_process_group() -> None:
+    model = torch.nn.Linear(4, 4)
+    with sdc_guard.protect(model) as guard:
+        model(torch.randn(2, 4)).sum().backward()
+    assert not dist.is_initialized()
+    assert guard.last_report.collective_checks == 0 and not guard.collective_checks.enabled
+
+
+def test_a_sampler_whose_schedule_differs_between_ranks_leaves_the_collectives_unchecked_and_says_so(
+        one_rank_group: None) -> None:
+    model = torch.nn.Linear(4, 4)
+    buffer = _gradients(1)[0][:SEGMENT].clone()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with sdc_guard.protect(model, sampler=Budget(0.05)) as guard:
+                model(torch.randn(2, 4)).sum().backward()
+                dist.all_reduce(buffer)
+            assert guard.last_report.collective_checks == 0
+    said = [str(w.message) for w in caught if "the collectives are not checked under Budget" in str(w.message)]
+    assert len(said) == 1, said  # once per model, not once per step
+    with sdc_guard.protect(model, collectives=False) as guard:
+        model(torch.randn(2, 4)).sum().backward()
+        dist.all_reduce(buffer)
+    assert guard.last_report.collective_checks == 0 and not guard.last_report.collectives_unchecked
+
+
+def test_a_failing_check_warns_once_and_leaves_the_collective_alone(one_rank_group: None,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A monitoring failure (here: the sender's checksums raise) never breaks the
+    collective or stops training: the all-reduce gives its result, the check is counted as
+    failed, one warning says why."""
+    import sdc_guard.runtime.collectives.collective_checks as checks
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("checksum kernel unavailable")
+
+    monkeypatch.setattr(checks, "segment_sums", broken)
+    model = torch.nn.Linear(4, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            buffer = torch.full((10,), float(step + 1))
+            with sdc_guard.protect(model) as guard:
+                model(torch.randn(2, 4)).sum().backward()
+                dist.all_reduce(buffer)
+            assert torch.equal(buffer, torch.full((10,), float(step + 1)))  # one rank: the sum is itself
+            assert guard.last_report.collectives_unchecked == {"all_reduce[failed]": 1}
+            assert guard.last_report.detections == []
+    said = [str(w.message) for w in caught if "checksum kernel unavailable" in str(w.message)]
+    assert len(said) == 1, said
