@@ -376,7 +376,7 @@ def _run_compiled(args: argparse.Namespace, device: torch.device, base: torch.nn
             optims[key].step()
             return
         # guarded: through optimizer_step, as the integrations step, so that calibration
-        # replays measure interception where the route allows them (Guard.replayable)
+        # replays measure interception where the route allows them (ModeSwitch.replayable)
         optims[key].zero_grad(set_to_none=True)
         guard.optimizer_step(optims[key], lambda: loss_of(key, x, y, step))
 

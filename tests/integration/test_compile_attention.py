@@ -158,7 +158,7 @@ def test_compiled_sdpa_is_verified_and_bit_identical_to_the_unguarded_model(name
     assert (report.seen, report.verified, report.attention_checks) == (2, 2, 2)  # forward, backward
     assert (report.flagged, report.screen_misses, report.unverified_ops) == (0, 0, {})
     assert function_mode.checks_run() - before == 2  # the checks ran in the graphs
-    assert guard._ledger.sites_seen == {("attn", "forward", "sdpa"), ("attn", "backward", "sdpa_backward")}
+    assert guard.ledger.sites_seen == {("attn", "forward", "sdpa"), ("attn", "backward", "sdpa_backward")}
     assert not counters["graph_break"]
 
 
@@ -174,8 +174,8 @@ def test_compiled_model_with_sdpa_reports_like_eager():
     e, c = eager.last_report, guard.last_report
     assert (c.seen, c.verified, c.attention_checks, c.flagged) == (e.seen, e.seen, 2, 0)
     assert c.unverified_ops == e.unverified_ops == {}
-    assert {s for s in guard._ledger.sites_seen if s[2].startswith("sdpa")} == \
-        {s for s in eager._ledger.sites_seen if s[2].startswith("sdpa")}  # the module that called SDPA
+    assert {s for s in guard.ledger.sites_seen if s[2].startswith("sdpa")} == \
+        {s for s in eager.ledger.sites_seen if s[2].startswith("sdpa")}  # the module that called SDPA
 
 
 @pytest.mark.slow  # inductor compiles C++: see CONTRIBUTING.md
@@ -276,7 +276,7 @@ def test_calls_the_screen_cannot_cover_run_as_called_and_are_counted():
     report = guard.last_report
     assert (report.seen, report.verified, report.attention_checks, report.flagged, report.unverified_ops) == \
         (6, 6, 0, 0, {})
-    assert {op for _, _, op in guard._ledger.sites_seen} == {"bmm"}
+    assert {op for _, _, op in guard.ledger.sites_seen} == {"bmm"}
 
     # non-4-D operands: the call runs unchanged, counted as a layout it does not cover
     def three_d(q: torch.Tensor) -> torch.Tensor:

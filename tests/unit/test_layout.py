@@ -398,7 +398,7 @@ def test_private_state_finder_can_fail() -> None:
 
 def test_no_object_touches_another_objects_private_state() -> None:
     """Across the whole package (not only across subpackages): what one object needs of
-    another is a public method or property of it (``Guard.attempt``, ``Guard.pause``...)."""
+    another is a public method or property of it (``Guard.attempt``, ``ModeSwitch.pause``...)."""
     trees = {name: ast.parse(path.read_text(), str(path)) for name, (path, _) in source_modules().items()}
     bad = foreign_private_accesses(trees)
     assert not bad, "private state touched from outside its class: " + "; ".join(bad)

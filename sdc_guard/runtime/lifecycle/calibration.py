@@ -221,11 +221,11 @@ class Replays:
 
     def eligible(self) -> bool:
         """Whether the open step can be replayed bare: its first run, watched, on a route
-        that can switch its checks off and on again (``Guard.replayable``: the dispatch
+        that can switch its checks off and on again (``ModeSwitch.replayable``: the dispatch
         route, with this guard's mode the only one on the thread; another mode, a fault
         drill's or a profiler's, would see both runs), this guard alone on its thread."""
         g = self.guard
-        return g.step_open and g.watching and g.attempt == 0 and g.replayable and g.alone_on_thread()
+        return g.step_open and g.watching and g.attempt == 0 and g.mode.replayable and g.alone_on_thread()
 
     def due(self, possible: bool, first_run_started: float | None = None) -> bool:
         """Whether the step replays now. ``possible``: the caller has a closure to replay.
@@ -268,7 +268,7 @@ class Replays:
         assert ledger.replay is not None, "run_bare() without due()"
         started = time.perf_counter()
         try:
-            with g.bare_run():  # the guard's Switch: ON -> BARE -> ON
+            with g.mode.bare_run():  # the guard's Switch: ON -> BARE -> ON
                 synchronize(g.model)
                 cpu = thread_clock(g.model)
                 began, began_cpu = time.perf_counter(), time.thread_time()

@@ -94,3 +94,16 @@ def check_guard_arguments(model: Any, *, backend: Any, rank: Any, snapshots: Any
         raise TypeError(f"snapshots: expected a sdc_guard.SnapshotStore, got {type(snapshots).__name__}")
     if metrics is not None:
         check_metrics_sink(metrics)
+
+
+def check_optimizer_step_arguments(optimizer: Any, closure: Any, replay_started: Any) -> None:
+    """Raise ``TypeError`` naming the argument of ``Guard.optimizer_step`` that is not what
+    it takes: a ``torch.optim.Optimizer``, a callable closure or ``None``, a
+    ``time.perf_counter()`` value or ``None``."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if closure is not None and not callable(closure):
+        raise TypeError(f"closure: expected a callable or None, got {type(closure).__name__}")
+    if replay_started is not None and (isinstance(replay_started, bool) or not isinstance(replay_started, (int, float))):
+        raise TypeError(f"replay_started: expected a time.perf_counter() value or None, "
+                        f"got {type(replay_started).__name__} {replay_started!r}")

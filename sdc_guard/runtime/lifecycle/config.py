@@ -32,32 +32,51 @@ from ..sampling import Sampler, check_sampler
 
 @dataclass(frozen=True)
 class GuardConfig:
-    """The settings ``protect()``, ``SDCGuard`` and ``SDCGuardCallback`` share; see
-    ``protect`` for what each does (docs/CONFIGURATION.md)."""
+    """The settings ``protect()``, ``SDCGuard`` and ``SDCGuardCallback`` share, each
+    documented at its field (and in docs/CONFIGURATION.md)."""
 
-    #: which GEMMs to verify; ``None``: a fresh ``Full()`` per guard
+    #: which GEMMs to verify (``sdc_guard.runtime.sampling``); ``None``: a fresh ``Full()``
+    #: per guard
     sampler: Sampler | None = None
-    #: threshold coefficient override in (0, 1]; ``None``: per dtype
+    #: threshold coefficient override in (0, 1], as in ``verify_matmul``; ``None``: per dtype
     e_max: float | None = None
-    #: force a verification backend; ``None``: ``$SDC_GUARD_BACKEND``, else the best available
+    #: force a verification backend, as in ``verify_matmul``; ``None``:
+    #: ``$SDC_GUARD_BACKEND``, else the best available
     backend: str | None = None
-    #: how to respond; ``None``: a fresh ``Policy()`` per guard
+    #: how to respond to a detection; ``None``: a fresh ``Policy()`` per guard (recompute,
+    #: then roll back, then exit)
     policy: Policy | None = None
     #: step reports and outcomes a guard keeps
     history: int = 100
     #: bound of the weight-side cache (0 disables it)
     cache_bytes: int = 512 << 20
-    #: record the screen's D/T per site (``guard.screen_stats``)
+    #: record the screen's D/T per site over the run in ``guard.screen_stats``
+    #: (``sdc_guard.runtime.lifecycle.stats``: how far the threshold sits from this model's data)
     stats: bool = False
-    #: the screen's threshold, ``"default"`` or ``"tight"``
+    #: the screen's threshold, ``"default"`` or ``"tight"`` (``sdc_guard.core.precision.SCREENS``:
+    #: the tight one sees smaller errors and suspects more clean products, each cleared exactly)
     screen: str = "default"
-    #: the compiled route: ``True``, ``False``, or ``None`` (decided from the model and the block)
+    #: the route: ``True`` checks the GEMMs of compiled code by nodes put into its graphs
+    #: (docs/COMPILE.md), ``False`` uses the dispatch mode (frames dynamo has not compiled
+    #: then run eagerly), ``None`` is ``True`` when the model or one of its modules is
+    #: compiled and otherwise switches to ``True`` when dynamo is about to compile a frame
+    #: inside the block (a ``torch.compile(model)`` wrapper, a compiled training step)
     compiled: bool | None = None
-    #: watched steps between calibration replays; ``None``: never
+    #: ``optimizer_step`` measures what interception really costs by running a watched
+    #: step's closure once more with interception off, its effects undone, on the watched
+    #: steps numbered 1, 2, 4, 8 and 16 and then every ``calibrate_every``-th (about 1 % of
+    #: their time; ``sdc_guard.runtime.lifecycle.calibration``), so that
+    #: ``StepReport.overhead`` is the guard's whole cost; ``None`` never replays (the
+    #: reported interception then stays an estimate)
     calibrate_every: int | None = DEFAULT_EVERY
-    #: where detection, response and exit events go; ``None``: ``$SDC_GUARD_EVENTS``, else none
+    #: where a JSON line goes for each detection, response and exit: a path, ``"-"`` for
+    #: standard error, a text stream or a callable; ``None``: ``$SDC_GUARD_EVENTS``, else
+    #: none (``sdc_guard.respond.events``, docs/OPERATIONS.md)
     events: Any = None
-    #: check the collectives of each watched step under ``torch.distributed``
+    #: with ``torch.distributed`` initialised, check the all-reduces, all-gathers and
+    #: reduce-scatters of each watched step, what each rank received against what was sent
+    #: (docs/DISTRIBUTED.md, "Collectives"; with a sampler that watches the same steps on
+    #: every rank)
     collectives: bool = True
 
     def __post_init__(self) -> None:

@@ -18,9 +18,7 @@ warns once, counts the GEMM as unverified, and never stops training.
 from __future__ import annotations
 
 import contextlib
-import enum
 import time
-import warnings
 from collections import deque
 from typing import Any, Callable, Iterator
 
@@ -32,7 +30,6 @@ from .calibration import DEFAULT_EVERY, Replays
 from ..checking.cache import WeightCache, persistent_parameters
 from ..compiled.function_mode import is_compiled, note_compiled
 from .intake import CheckIntake, active_guards
-from .interception import Interception
 from ..dispatch.intercept import SiteTracker, current_phase, module_hook_seconds, round_trip_seconds
 from .ledger import StepLedger
 from ..compiled.module_names import ModuleNames
@@ -45,36 +42,15 @@ from ...respond.snapshot import SnapshotStore
 from .stats import ScreenStats
 from ..checking.checker import Checker
 from ..collectives.collective_checks import CollectiveChecks
-from .warn_once import warnings_of
+from .publishing import Publisher
 from .config import GuardConfig
-from .checks import MetricsSink, check_backend, check_guard_arguments, check_metrics_sink  # noqa: F401  (also importable here)
+from .checks import MetricsSink, check_backend, check_guard_arguments, check_metrics_sink, check_optimizer_step_arguments  # noqa: F401  (also importable here)
 from ...respond.distributed import rank as current_rank  # noqa: F401  (also importable here)
-from .optimizer_steps import OptimizerSteps
 from .guarded_step import GuardedStep
+from .switch import ModeSwitch, Switch
+from .gradient_screening import GradientScreening
 from ..sampling.schedule import current_step, set_current_step  # noqa: F401  (also importable here)
 from ..sampling.schedule import carry_over, note_block_end, note_sampler_begun, sampler_begun, steps_end_blocks, take_carried
-
-
-class Switch(enum.Enum):
-    """The guard's on/off state: whether its interception is on, one value at a time.
-
-    Transitions (all in ``Guard``; others ask through its public methods)::
-
-        OFF --activate--> ON (the open step watched) or IDLE (unwatched)
-        IDLE/ON --begin_step--> ON or IDLE, as the sampler watches the new step
-        ON --pause--> PAUSED --resume--> ON      (a GEMM-free optimizer step, optimizer_steps.py)
-        ON --bare_run--> BARE --(end)--> ON      (a calibration replay's bare run, calibration.py)
-        any --deactivate--> OFF
-
-    Only ``ON`` has the route's modes entered. Whether the step is watched is the
-    sampler's verdict on the step (``Guard.watching``), kept with the step, not here.
-    """
-
-    OFF = "off"  #: not active (outside ``activate`` / ``deactivate``)
-    IDLE = "idle"  #: active, the step unwatched: nothing entered, nothing paid
-    ON = "on"  #: active, the step watched: the route's modes entered
-    PAUSED = "paused"  #: ``ON`` suspended across an optimizer step known to run no GEMM
-    BARE = "bare"  #: ``ON`` suspended for a calibration replay's bare run
 
 
 class Guard(CheckIntake):
@@ -113,6 +89,9 @@ class Guard(CheckIntake):
         self.metrics = metrics
         #: structured events (``respond/events.py``): ``events``, else ``$SDC_GUARD_EVENTS``
         self.events = resolve_events(config.events, next((p.device for p in model.parameters()), None))
+        #: hands reports and outcomes to ``metrics`` and ``events``; warns once
+        self.publisher = Publisher(model, metrics, self.events)
+        self._warn_once = self.publisher.warn_once
         self.outcomes: deque[StepOutcome] = deque(maxlen=config.history)
         self._driver: GuardedStep | None = None  #: drives ``optimizer_step`` (runtime/lifecycle/guarded_step.py)
         self._attempt = 0
@@ -125,21 +104,18 @@ class Guard(CheckIntake):
         self._sites = SiteTracker(model)
         #: module paths by module and parameter, for the compiled route's sites
         self.module_names = ModuleNames(model)
-        self._interception = Interception(self)  #: the modes on this guard's thread
-        self._switch = Switch.OFF  #: the on/off state (``Switch``)
+        #: the on/off state and the interception that follows it (``switch.ModeSwitch``)
+        self.mode = ModeSwitch(self)
         self._watching = True  #: the open step's GEMMs are to be seen (the sampler's call)
         self._watched_last = False  #: the previous step was watched (its writes were observed)
-        self._optimizers = OptimizerSteps(self)
         self._step_open = False
-        self._warned: set[str] = set()
         self.checker = Checker(self.screen, e_max, backend, self.cache)  #: runs each check
         self._ledger = StepLedger()
         self._carry = 0.0  #: guard seconds spent while no step was open, for the next report
         #: an optimizer step wrote the weights: re-encode them at the next watched step or GEMM
         self._encode_due = False
-        self._gradient_screen: GradientScreen | None = None  #: the open step's, for its report
+        self._screening = GradientScreening(self._warn_once)  #: the open step's gradient screen
         self._provisional = False  #: the open step was opened in advance (``begin_step``)
-        self._screen_tried = False  #: optimizer_step screened (or tried to) the open step
         #: calibration replays, driven by ``optimizer_step`` (``GuardedStep``): interception's
         #: real cost, measured (``sdc_guard.runtime.lifecycle.calibration``)
         self.replays = Replays(self, config.calibrate_every)
@@ -176,8 +152,7 @@ class Guard(CheckIntake):
         started = time.perf_counter()
         self._ledger = StepLedger(carried_seconds=self._carry + take_carried(self.model))
         self._carry = 0.0
-        self._gradient_screen = None
-        self._screen_tried = False
+        self._screening.reset()
         self._provisional = provisional
         if rerun:
             last = self.last_report
@@ -197,7 +172,7 @@ class Guard(CheckIntake):
             self.encode_due_weights()  # right after the optimizer step that made it due
         # else one block per step: the block's exit would drop the encodings made now, the
         # next activation invalidating them; its next GEMM makes them if the block goes on
-        self._optimizers.reset()
+        self.mode.optimizers.reset()
         if self._watching:
             if not rerun or not self._watched_last:
                 # a re-execution of an unwatched step (a tripped gradient screen) starts
@@ -211,10 +186,7 @@ class Guard(CheckIntake):
         self.collective_checks.begin(requested=self.collectives and self._watching, compiled=self.compiled,
                                      sampler=self.sampler)
         self._step_open = True
-        if self._switch is not Switch.OFF:
-            self._switch = Switch.ON if self._watching else Switch.IDLE
-        self._sync_mode()
-        self._sync_optimizer_hooks()
+        self.mode.step_opened(self._watching)
         self._ledger.hook_seconds += time.perf_counter() - started
 
     def charge(self, seconds: float) -> None:
@@ -246,7 +218,7 @@ class Guard(CheckIntake):
         ``closure_raised``: ``optimizer_step``'s closure raised (the step was not screened
         for that reason, not for a missing ``optimizer_step``)."""
         if closure_raised:
-            self._screen_tried = True
+            self._screening.excuse()
             self.collective_checks.abandon()
         report = self._close_step(keep_empty=True)
         assert report is not None
@@ -259,8 +231,8 @@ class Guard(CheckIntake):
         self._step_open = False
         if self._provisional:  # opened by optimizer_step: did the block end right after it?
             note_block_end(self.model, after_step=not keep_empty)
-        self._interception.retiring = False  # the next step's modes are the compiled route's alone
-        self._ledger.ops += self._interception.take_ops()  # the mode goes on for the next step
+        self.mode.interception.retiring = False  # the next step's modes are the compiled route's alone
+        self._ledger.ops += self.mode.interception.take_ops()  # the mode goes on for the next step
         self._ledger.module_calls += self._sites.calls
         self._sites.calls = 0
         round_trip = round_trip_seconds() if self._ledger.ops else 0.0
@@ -283,21 +255,9 @@ class Guard(CheckIntake):
         started = time.perf_counter()  # what follows the report is charged to the next one
         if collectives is not None:
             collectives.into(report)
-        screened = self._gradient_screen
-        if not self._screen_tried and report.attempt == 0 and self.screens_gradients:
-            self._warn_once("unscreened", "sdc_guard: the sampler screens gradients, but only "
-                            "guard.optimizer_step(optimizer, closure) runs the screen; steps closed by "
-                            "guard.step() or a protect() block are not screened (only the sampler's "
-                            "background verifies anything)")
-        if screened is not None and report.attempt == 0:
-            report.gradient_screened = True
-            report.gradient_screen_tripped = screened.tripped
-            report.gradient_ratio = screened.worst_ratio
-            report.gradient_total_ratio = screened.total_ratio
-            report.gradient_sigmas = screened.worst_sigmas
-            report.nonfinite_grads = screened.nonfinite
+        self._screening.into(report, self.sampler)
         self.reports.append(report)
-        self.publish("observe_report", report)
+        self.publisher.publish("observe_report", report)
         if report.attempt == 0:
             self.sampler.end_step(self._ledger.costs(report))
             note_sampler_begun(self.model, self.sampler, None)
@@ -328,16 +288,11 @@ class Guard(CheckIntake):
         in the step before ``closure`` (earlier micro-batches of gradient accumulation) are
         verified too, but cannot be re-executed: a detection there is answered by ``skip``
         instead of ``recompute``; so is one with ``closure=None``. ``step_fn`` replaces
-        ``optimizer.step`` (for integrations that patch it). ``replay=True`` says the
-        step's forward and backward already ran and gave ``loss``: ``closure`` is then
-        called only to re-execute, and re-runs the whole step itself, restoring the RNG
-        state and gradients it starts from (the Hugging Face callback's case);
-        ``replay_started`` is when that first run began (``time.perf_counter()``), which
-        lets a calibration replay time it (without it, replay-mode steps are not
-        calibrated). On the steps the model's calibration picks (``protect``'s
-        ``calibrate_every``), ``closure`` runs once more, bare, before the guarded run (or
-        after the first run, with ``replay``), its effects undone: the report's overhead is
-        then measured, not estimated (``sdc_guard.runtime.lifecycle.calibration``).
+        ``optimizer.step`` (for integrations that patch it). ``replay``, ``loss`` and
+        ``replay_started``: the step's forward and backward already ran (the Hugging Face
+        callback's case; ``GuardedStep.run``, runtime/lifecycle/guarded_step.py). On the
+        steps calibration picks (``GuardConfig.calibrate_every``), ``closure`` runs once
+        more, bare, its effects undone: the report's overhead is then measured.
 
         >>> model = torch.nn.Linear(4, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> def closure():
@@ -347,13 +302,7 @@ class Guard(CheckIntake):
         >>> outcome.stepped, outcome.classification
         (True, None)
         """
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if closure is not None and not callable(closure):
-            raise TypeError(f"closure: expected a callable or None, got {type(closure).__name__}")
-        if replay_started is not None and (isinstance(replay_started, bool) or not isinstance(replay_started, (int, float))):
-            raise TypeError(f"replay_started: expected a time.perf_counter() value or None, "
-                            f"got {type(replay_started).__name__} {replay_started!r}")
+        check_optimizer_step_arguments(optimizer, closure, replay_started)
         if self._driver is None or self._driver.optimizer is not optimizer:
             self._driver = GuardedStep(self, optimizer, self.policy, self.snapshots, step_fn)
             self.snapshots = self._driver.snapshots
@@ -380,19 +329,11 @@ class Guard(CheckIntake):
             return None
         if not self._step_open:
             raise RuntimeError("screen_gradients(): no step is open (call it before the step closes)")
-        grads = [p.grad for p in params if p.grad is not None]
         started = time.perf_counter()
-        self._screen_tried = True
         try:
-            screened = self.sampler.screen_gradients(grads)  # type: ignore[attr-defined]
-        except Exception as exc:  # a monitoring failure never stops training: the step goes unscreened
-            self._warn_once(f"screen:{type(exc).__name__}", f"sdc_guard: could not screen the gradients "
-                            f"({type(exc).__name__}: {exc}); this step is not screened")
-            return None
+            return self._screening.screen(self.sampler, params)
         finally:
             self._ledger.hook_seconds += time.perf_counter() - started
-        self._gradient_screen = screened
-        return screened
 
     def resolve_screen(self, verdict: str, params: list[Tensor] | None = None) -> None:
         """Tell the screening sampler how its trip was resolved (``Screened.resolve_screen``)."""
@@ -412,55 +353,38 @@ class Guard(CheckIntake):
 
     def activate(self) -> None:
         """Start intercepting GEMMs (the step lifecycle is separate)."""
-        if self._switch is not Switch.OFF:
+        if self.active:
             raise RuntimeError("this Guard is already active")
         started = time.perf_counter()
-        self._switch = Switch.ON if self._watching else Switch.IDLE
         active_guards().append(self)
         self.cache.invalidate()  # whatever was written while inactive went unobserved
-        self._sync_optimizer_hooks()
-        self._sync_mode()
+        self.mode.activate(self._watching)
         self.charge(time.perf_counter() - started)
 
     def deactivate(self) -> None:
         """Stop intercepting; an open step stays open."""
-        self._switch = Switch.OFF
         self._encode_due = False  # the next activation makes every encoding stale anyway
         guards = active_guards()
         if self in guards:
             guards.remove(self)
         started = time.perf_counter()
-        self._optimizers.remove()
-        self._sync_mode()
-        self._interception.interceptor = None  # the next activation builds its own (handlers added since)
+        self.mode.deactivate()
         self.charge(time.perf_counter() - started)
-
-    @property
-    def replayable(self) -> bool:
-        """Whether the open step's closure can run once bare for a calibration replay
-        (``sdc_guard.runtime.lifecycle.calibration``): the route switches all its checks off while
-        ``bare_run`` lasts and on again after, and no other mode
-        would see both runs. The dispatch route, with its mode the only one on the thread;
-        the compiled route not (yet): its graphs are traced with the function mode, and
-        leaving it would compile them again without their checks."""
-        if self.compiled:
-            return False
-        return self._interception.sole_dispatch_mode
 
     @property
     def intercepting(self) -> bool:
         """Whether interception is on now (active, and the step is watched)."""
-        return self._interception.on
+        return self.mode.interception.on
 
     @property
     def switch(self) -> Switch:
         """The on/off state (``Switch``)."""
-        return self._switch
+        return self.mode.state
 
     @property
     def active(self) -> bool:
         """Whether this guard is active (between ``activate`` and ``deactivate``)."""
-        return self._switch is not Switch.OFF
+        return self.mode.state is not Switch.OFF
 
     @property
     def attempt(self) -> int:
@@ -475,43 +399,8 @@ class Guard(CheckIntake):
     def op_counts(self) -> tuple[int, int]:
         """The aten ops intercepted and the module calls tracked so far in the open step,
         the dispatch mode's uncollected count included (calibration replays pair them)."""
-        return (self._ledger.ops + self._interception.pending_ops,
+        return (self._ledger.ops + self.mode.interception.pending_ops,
                 self._ledger.module_calls + self._sites.calls)
-
-    def pause(self) -> bool:
-        """``ON`` -> ``PAUSED``: leave the modes across an optimizer step known to run no
-        GEMM (``runtime/lifecycle/optimizer_steps.py``). Returns whether it paused (not when the
-        interception was not on: unwatched, or a bare run under way)."""
-        if self._switch is not Switch.ON:
-            return False
-        self._switch = Switch.PAUSED
-        self._sync_mode()
-        return True
-
-    def resume(self) -> None:
-        """``PAUSED`` -> ``ON`` (a no-op in any other state: a step or a deactivation
-        since the pause has set the state already)."""
-        if self._switch is Switch.PAUSED:
-            self._switch = Switch.ON
-            self._sync_mode()
-
-    @contextlib.contextmanager
-    def bare_run(self) -> Iterator[None]:
-        """``ON`` -> ``BARE`` -> ``ON``: interception fully off (no mode, no module hooks)
-        for a calibration replay's bare run of the step (``runtime/lifecycle/calibration.py``)."""
-        if self._switch is not Switch.ON:
-            raise RuntimeError(f"bare_run(): interception is {self._switch.value}, not on")
-        self._switch = Switch.BARE
-        self._sites.stop()
-        self._sync_mode()
-        try:
-            yield
-        finally:
-            if self._switch is Switch.BARE:
-                self._switch = Switch.ON
-            if self._watching and not self.compiled:
-                self._sites.start()
-            self._sync_mode()
 
     @property
     def compiled_argument(self) -> bool | None:
@@ -522,11 +411,6 @@ class Guard(CheckIntake):
     def site_tracker(self) -> SiteTracker:
         """The dispatch route's site tracker (its module hooks, the autograd nodes' labels)."""
         return self._sites
-
-    def _sync_mode(self) -> None:
-        """Enter the modes when active and watching, leave them otherwise
-        (``runtime/lifecycle/interception.py``)."""
-        self._ledger.ops += self._interception.sync(self._switch is Switch.ON)
 
     def compiled_code_met(self) -> bool:
         """Called by the dispatch mode when dynamo is about to compile a frame inside the
@@ -545,19 +429,9 @@ class Guard(CheckIntake):
         started = time.perf_counter()
         self.compiled = True
         note_compiled(self.model)
-        self._interception.to_compiled()
-        self._sync_mode()
+        self.mode.to_compiled()
         self._ledger.hook_seconds += time.perf_counter() - started
         return True
-
-    def _sync_optimizer_hooks(self) -> None:
-        """Optimizer-step hooks only while active and watching: an unwatched step needs
-        neither the pause around a GEMM-free optimizer step nor the re-encoding after it
-        (the next watched step starts from fresh encodings), so it runs no hook at all."""
-        if self._switch in (Switch.ON, Switch.PAUSED, Switch.BARE):  # active and watching
-            self._optimizers.install()
-        else:
-            self._optimizers.remove()
 
     def __enter__(self) -> "Guard":
         if not self._step_open:
@@ -571,34 +445,6 @@ class Guard(CheckIntake):
             self._close_step(keep_empty=False)
         carry_over(self.model, self._carry)  # with a block per step, the next report is another guard's
         self._carry = 0.0
-
-    def publish(self, method: str, item: Any) -> None:
-        """Hand a report or outcome to the metrics sink and the event log (``method``:
-        ``"observe_report"`` or ``"observe_outcome"``); a failure there warns once per sink in total, across
-        the per-step ``protect()`` blocks that share it. Public because ``optimizer_step``'s
-        driver (``runtime/lifecycle/guarded_step.py``) publishes the step's outcome."""
-        for sink in (self.metrics, self.events):  # the event log warns for its own target
-            if sink is None:
-                continue
-            try:
-                getattr(sink, method)(item)
-            except Exception as exc:  # monitoring never stops training
-                self._warn_once("metrics", f"sdc_guard: metrics {method} failed ({type(exc).__name__}: "
-                                f"{exc}); training continues (further failures of this sink are not reported)",
-                                owner=sink)
-
-    def _warn_once(self, key: str, message: str, *, owner: Any = None) -> None:
-        """Warn once per ``key`` and ``owner`` (default: the model): the state lives with
-        the owner, not with this guard, since the documented per-step pattern makes a new
-        guard every step."""
-        warned = warnings_of(self.model if owner is None else owner)
-        if warned is None:  # an owner that cannot be weakly referenced: this guard's own
-            warned = self._warned
-        if key not in warned:
-            warned.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-    # --- end of step ---------------------------------------------------------------------
 
 
 def protect(
@@ -625,40 +471,13 @@ def protect(
     Use one block per step (the report is ``guard.last_report`` after the block), or one
     long-lived block with ``guard.step()`` at each step boundary, or
     ``guard.optimizer_step(optimizer, closure)`` to have detections answered before the
-    optimizer sees corrupted gradients. ``sampler`` decides which GEMMs to verify
-    (default ``Full()``); ``e_max`` and ``backend`` are as in ``verify_matmul``;
-    ``policy`` says how to respond (default ``Policy()``: recompute, then roll back, then
-    exit); ``snapshots`` holds the known-good state rollback returns to (default: one
-    in memory every 50 steps). Pass the same sampler, policy and snapshot store to
-    successive per-step blocks so that their state carries over; ``metrics`` receives
-    every report and outcome (``sdc_guard.metrics.GuardMetrics`` exports them to
-    Prometheus); ``cache_bytes`` bounds the weight-side cache; ``stats=True`` records the
-    screen's D/T per site over the run in ``guard.screen_stats`` (``sdc_guard.runtime.lifecycle.stats``: how
-    far the threshold sits from this model's data); ``screen`` chooses the screen's
-    threshold, ``"default"`` or ``"tight"`` (``sdc_guard.core.precision.SCREENS``: the tight one
-    sees smaller errors and suspects more clean products, each cleared exactly);
-    ``compiled`` chooses the route: ``True`` checks the GEMMs of compiled code by nodes put
-    into its graphs (docs/COMPILE.md), ``False`` uses the dispatch mode (frames dynamo has
-    not compiled then run eagerly), ``None`` (the default) is ``True`` when the model or one
-    of its modules is compiled and otherwise switches to ``True`` when dynamo is about to
-    compile a frame inside the block (a ``torch.compile(model)`` wrapper, a compiled
-    training step);
-    ``calibrate_every`` (default 100): ``optimizer_step`` measures what interception
-    really costs by running a watched step's closure once more with interception off,
-    its effects undone, on the watched steps numbered 1, 2, 4, 8 and 16 and then every
-    ``calibrate_every``-th (in the long run about 1 % of their time;
-    ``sdc_guard.runtime.lifecycle.calibration``),
-    so that ``StepReport.overhead`` is the guard's whole cost; ``None`` never replays (the
-    closure then runs once per step, and the reported interception stays an estimate);
-    ``events``: where a JSON line goes for each detection, response and exit (a path, ``"-"``
-    for standard error, a text stream or a callable; default ``$SDC_GUARD_EVENTS``, else
-    none; ``sdc_guard.respond.events``, docs/OPERATIONS.md);
-    ``collectives`` (default True): with ``torch.distributed`` initialised, check the
-    all-reduces, all-gathers and reduce-scatters of each watched step, what each rank
-    received against what was sent (docs/DISTRIBUTED.md, "Collectives"; on the dispatch
-    route, with a sampler that watches the same steps on every rank);
-    ``config``: these settings (all but ``model``, ``metrics`` and ``snapshots``) as one
-    ``sdc_guard.GuardConfig``, instead of their keywords (``sdc_guard.runtime.lifecycle.config``).
+    optimizer sees corrupted gradients. ``snapshots`` holds the known-good state rollback
+    returns to (default: one in memory every 50 steps); ``metrics`` receives every report
+    and outcome (``sdc_guard.metrics.GuardMetrics`` exports them to Prometheus). The other
+    keywords are the fields of ``sdc_guard.GuardConfig``, each documented there and in
+    docs/CONFIGURATION.md (``config``: all of them as one object instead). Pass the same
+    sampler, policy and snapshot store to successive per-step blocks so that their state
+    carries over.
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     >>> with protect(model) as guard:

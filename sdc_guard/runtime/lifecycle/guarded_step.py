@@ -111,7 +111,7 @@ class GuardedStep:
         finally:  # raise and exit are responses too: record them
             started = time.perf_counter()
             guard.outcomes.append(outcome)
-            guard.publish("observe_outcome", outcome)
+            guard.publisher.publish("observe_outcome", outcome)
             bookkeeping += time.perf_counter() - started
         guard.refresh_weights()  # encode the updated weights now, while known fresh (charges itself)
         started = time.perf_counter()

@@ -16,7 +16,6 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-import torch
 from torch import Tensor
 from ...core.torch_private import disable_current_modes, dispatch_stack_depth, current_graph_task_id
 

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...core.summary import SUMMARY, clear_summary, summarize  # noqa: F401  (re-exported)
 from ...core.precision import SEGMENT
 from .calibration import Calibration, Pair, Replay
 from ...report import Detection, GemmCounts, KindKey, StepReport

@@ -42,7 +42,7 @@ class OptimizerSteps:
         #: step runs the hooks twice, and only the outer call is the optimizer step
         self._depth: dict[int, int] = {}
         self._handles: list[Any] = []
-        #: optimizers whose step this object paused the guard for (``Guard.pause``)
+        #: optimizers whose step this object paused the guard for (``ModeSwitch.pause``)
         self._paused: set[int] = set()
 
     def install(self) -> None:
@@ -68,7 +68,7 @@ class OptimizerSteps:
             return
         guard = self.guard
         if optimizer in _gemmless:
-            if guard.pause():
+            if guard.mode.pause():
                 self._paused.add(id(optimizer))
         elif optimizer not in _learned and guard.intercepting:
             # the step may be closed already (``Guard.optimizer_step`` steps the optimizer
@@ -86,7 +86,7 @@ class OptimizerSteps:
         if optimizer in _gemmless:
             if id(optimizer) in self._paused:
                 self._paused.discard(id(optimizer))
-                guard.resume()
+                guard.mode.resume()
             return
         before = self._seen_before.pop(id(optimizer), None)
         if before is not None:

@@ -6,6 +6,7 @@ documented per-step pattern makes a new guard every step.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -26,3 +27,15 @@ def warnings_of(owner: Any) -> set[str] | None:
         return None
     _warned_by_owner[key] = (ref, set())
     return _warned_by_owner[key][1]
+
+
+def warn_once(owner: Any, key: str, message: str, *, fallback: set[str], stacklevel: int = 3) -> None:
+    """Warn ``message`` (a ``RuntimeWarning``) unless ``key`` was warned for ``owner``
+    already; ``fallback``: the set that keeps the keys of an owner that cannot be weakly
+    referenced (the caller's own)."""
+    warned = warnings_of(owner)
+    if warned is None:
+        warned = fallback
+    if key not in warned:
+        warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)

@@ -380,7 +380,7 @@ def test_summary_of_a_clear_check_matches_the_full_reduction() -> None:
     import dataclasses
 
     from sdc_guard.backends import GemmRequest, get
-    from sdc_guard.runtime.lifecycle.ledger import SUMMARY, summarize
+    from sdc_guard.core.summary import SUMMARY, summarize
 
     torch.manual_seed(0)
     a, b = torch.randn(37, 64), torch.randn(64, 600)

@@ -64,9 +64,9 @@ def test_compiled_mlp_is_checked_in_one_graph_forward_and_backward():
     assert function_mode.checks_run() - before == 5  # the in-graph checks ran
     assert graphs() == 1 and counters["frames"]["ok"] == 1
     assert not counters["graph_break"]
-    phases = {site[1] for site in guard._ledger.sites_seen}
+    phases = {site[1] for site in guard.ledger.sites_seen}
     assert phases == {"forward", "backward"}
-    modules = {site[0] for site in guard._ledger.sites_seen}
+    modules = {site[0] for site in guard.ledger.sites_seen}
     assert modules == {"fc1", "fc2"}  # sites from the module stack dynamo traced
 
 
@@ -77,7 +77,7 @@ def test_sites_of_a_compiled_sequential_are_its_module_paths():
     compiled = torch.compile(model, backend="aot_eager")
     with sdc_guard.protect(compiled) as guard:
         mlp_step(compiled, torch.randn(4, 16))
-    assert {site[0] for site in guard._ledger.sites_seen} == {"0", "2"}  # dynamo calls the root "fn" here
+    assert {site[0] for site in guard.ledger.sites_seen} == {"0", "2"}  # dynamo calls the root "fn" here
 
 
 def test_explain_counts_one_graph_no_break_and_the_users_own_graph():
@@ -277,7 +277,7 @@ def test_dispatch_route_runs_new_frames_eagerly_and_cached_code_compiled():
     report = guard.last_report
     assert not guard.compiled and (report.seen, report.verified, report.unverified_ops) == (5, 5, {})
     assert counters["frames"]["ok"] == 1 and graphs() == 1  # the cached graph ran: not compiled again
-    assert {site for site, _, _ in guard._ledger.sites_seen} == {"_orig_mod", "global"}
+    assert {site for site, _, _ in guard.ledger.sites_seen} == {"_orig_mod", "global"}
     torch._dynamo.reset()
     counters.clear()
     cold = torch.compile(MLP(), backend="aot_eager")
@@ -286,7 +286,7 @@ def test_dispatch_route_runs_new_frames_eagerly_and_cached_code_compiled():
     report = guard.last_report
     assert (report.seen, report.verified, report.unverified_ops) == (5, 5, {})
     assert not counters["frames"]["ok"]  # nothing compiled inside the block: it ran eagerly
-    assert {site for site, _, _ in guard._ledger.sites_seen} == {"_orig_mod.fc1", "_orig_mod.fc2"}
+    assert {site for site, _, _ in guard.ledger.sites_seen} == {"_orig_mod.fc1", "_orig_mod.fc2"}
 
 
 @pytest.mark.corpus  # compiled training runs, 5-8 s (CONTRIBUTING.md)
@@ -383,7 +383,7 @@ def broken_run(backend: str, guarded: bool, faults: tuple = (), steps: int = 1):
             y = compiled(x)
             y.square().mean().backward()
             if guarded:
-                sites = {site[:2] for site in guard._ledger.sites_seen}
+                sites = {site[:2] for site in guard.ledger.sites_seen}
                 reports.append(guard.step())
     return (y.detach(), x.grad, *[p.grad for p in model.parameters()]), reports, sites
 
@@ -596,7 +596,7 @@ def test_higher_order_ops_in_a_compiled_model_are_verified_and_flex_attention_co
     report = guard.last_report
     assert (report.seen, report.verified, report.flagged) == (3, 3, 0)  # a (the branch taken), the two blocks
     assert report.unverified_ops == {"higher_order.flex_attention": 1}
-    assert {site for site, _, _ in guard._ledger.sites_seen} == {"a", "blocks.0.0", "blocks.1.0"}
+    assert {site for site, _, _ in guard.ledger.sites_seen} == {"a", "blocks.0.0", "blocks.1.0"}
 
 
 class Checkpointed(torch.nn.Module):

@@ -104,7 +104,7 @@ def _eager_sites(make: Callable[[], torch.nn.Module], step: Callable[[Any], None
     model = make()
     with sdc_guard.protect(model, compiled=False) as guard:
         step(model)
-    return {(site, phase) for site, phase, _ in guard._ledger.sites_seen}
+    return {(site, phase) for site, phase, _ in guard.ledger.sites_seen}
 
 
 @pytest.mark.slow  # a model through torch.compile, twice (a few seconds): see CONTRIBUTING.md
@@ -118,7 +118,7 @@ def test_every_gemm_the_compiled_code_runs_is_verified(case):
     assert (report.seen, report.verified, report.flagged, report.unverified_ops) == (expected, expected, 0, {})
     # sites from the graphs' own metadata: every module the eager route names, a backward
     # GEMM at its forward module (not "global")
-    assert _eager_sites(make, step) <= {(site, phase) for site, phase, _ in guard._ledger.sites_seen}
+    assert _eager_sites(make, step) <= {(site, phase) for site, phase, _ in guard.ledger.sites_seen}
 
 
 class Branches(torch.nn.Module):
@@ -162,14 +162,14 @@ def test_the_bodies_of_cond_and_while_loop_are_verified(backend):
         # each Linear of the branch: its forward GEMM, and in the backward its two gradients
         # (the first Linear's input gradient too: x needs one)
         assert by_phase["forward"] == forward and by_phase["backward"] >= 2 * forward
-        assert {site for site, _, _ in guard._ledger.sites_seen} == ({"a"} if forward == 1 else {"a", "b"})
+        assert {site for site, _, _ in guard.ledger.sites_seen} == ({"a"} if forward == 1 else {"a", "b"})
     torch.manual_seed(0)
     loop = Loop()
     with torch.no_grad(), sdc_guard.protect(loop) as guard:  # while_loop compiles without autograd
         torch.compile(loop, backend=backend)(torch.randn(4, 8))
     report = guard.last_report
     assert (report.seen, report.verified, report.unverified_ops) == (3, 3, {})  # three turns of the body
-    assert {s for s, _, _ in guard._ledger.sites_seen} == {"a"}
+    assert {s for s, _, _ in guard.ledger.sites_seen} == {"a"}
 
 
 HOW = ("wrapper-before", "wrapper-inside", "model.compile", "submodule", "train_step")
@@ -373,7 +373,7 @@ def test_hugging_face_gradient_checkpointing_under_model_compile_is_verified():
     # the eager route's checkpointing recomputes until it has what the backward needs; the
     # partitioner's choice differs by a GEMM or so, and every module is a site of both
     assert abs(eager_guard.last_report.verified - expected) <= 2
-    assert {s[:2] for s in eager_guard._ledger.sites_seen} <= {s[:2] for s in guard._ledger.sites_seen}
+    assert {s[:2] for s in eager_guard.ledger.sites_seen} <= {s[:2] for s in guard.ledger.sites_seen}
 
 
 class _CheckpointedBlocks(torch.nn.Module):

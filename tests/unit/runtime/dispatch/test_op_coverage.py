@@ -49,7 +49,7 @@ class FlexBlock(nn.Module):
 
 def sites(guard) -> set[tuple[str, str]]:
     """(site, phase) of every GEMM the guard's last step saw."""
-    return {(site, phase) for site, phase, _ in guard._ledger.sites_seen}
+    return {(site, phase) for site, phase, _ in guard.ledger.sites_seen}
 
 
 @pytest.mark.parametrize("score_mod", [None, halve], ids=["plain", "score_mod"])

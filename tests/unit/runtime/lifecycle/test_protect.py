@@ -218,7 +218,7 @@ def test_backward_gemm_fault_is_attributed_to_backward() -> None:
 
 def _sites_by_phase(guard) -> dict[str, set[tuple[str, str]]]:
     out: dict[str, set[tuple[str, str]]] = {"forward": set(), "backward": set()}
-    for site, phase, op in guard._ledger.sites_seen:
+    for site, phase, op in guard.ledger.sites_seen:
         out[phase].add((site, op.replace("addmm", "mm")))
     return out
 
@@ -430,7 +430,7 @@ def test_rotating_sampler_covers_every_site_in_each_window() -> None:
         x, y = lm_batch(step)
         with sdc_guard.protect(model, sampler=sampler) as guard:
             F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-            verified = {p.site for p in guard._ledger.pending}
+            verified = {p.site for p in guard.ledger.pending}
         opt.step()
         opt.zero_grad()
         seen_sites.append((guard.last_report.sites_seen, verified))
