@@ -58,7 +58,8 @@ _VIEWS = frozenset({"t", "permute", "transpose", "view", "_unsafe_view", "reshap
 
 CHECK_NODE = torch.ops.sdc_guard.check_node.default
 NOTE = torch.ops.sdc_guard.note_unverified.default
-CHECK_TARGETS = frozenset({CHECK_NODE, NOTE})
+RUN_CHECKED = torch.ops.sdc_guard.run_checked.default
+CHECK_TARGETS = frozenset({CHECK_NODE, NOTE, RUN_CHECKED})
 
 
 def instrument(graph: fx.Graph, sink: CheckSink) -> int:
@@ -100,27 +101,44 @@ class _Instrumenter:
 
     def _op(self, graph: fx.Graph, node: fx.Node, op: OpOverload, anchors: dict[Any, list[fx.Node]]) -> int:
         route = route_of(op)
-        if route in (Route.UNVERIFIED, Route.REDISPATCH):
-            # REDISPATCH (``_trilinear``, what ``bilinear`` runs): its GEMMs are inside its
-            # kernel in a graph (the eager route runs that kernel under its mode): counted
+        if route is Route.UNVERIFIED:
             self._note(graph, node, str(op.overloadpacket))
             return 1
-        if route not in (Route.GEMM, Route.ATTENTION):
+        if route not in (Route.GEMM, Route.ATTENTION, Route.REDISPATCH):
             return 0
         try:
             spec, tensors = encode_call(node.args, node.kwargs, _is_tensor)
         except Unsupported:  # an argument no literal holds (a symbolic size): counted
             self._note(graph, node, str(op.overloadpacket))
             return 1
-        outputs = self._outputs(graph, node)
         site = self._site(node)
         candidates = self._anchors_of(node)
-        if route is Route.GEMM:
+        if route in (Route.GEMM, Route.REDISPATCH):
             candidates += [a for a in anchors.get(node.meta.get("seq_nr"), []) if a not in candidates]
+        if route is Route.REDISPATCH:
+            return self._run_checked(graph, node, op, tensors, spec, candidates, site)
+        outputs = self._outputs(graph, node)
         with graph.inserting_after(_last_of(node, [o for o in outputs if o is not None])):
             check = graph.call_function(CHECK_NODE, (
                 overload_name(op), tensors, spec, outputs if outputs else [node], candidates, site, self.fallback))
         check.meta["sdc_guard"] = "check"
+        return 1
+
+    def _run_checked(self, graph: fx.Graph, node: fx.Node, op: OpOverload, tensors: list[Any], spec: str,
+                     candidates: list[fx.Node], site: str) -> int:
+        """Put ``sdc_guard::run_checked`` in the place of ``node`` (a ``REDISPATCH`` op,
+        ``_trilinear``: its GEMMs are inside its kernel, where no node after it reaches):
+        the same kernel on the same arguments, its inner GEMMs checked
+        (``graph_ops.run_checked``). Counted, as before, where it returns no single tensor."""
+        if not isinstance(node.meta.get("val"), torch.Tensor):
+            self._note(graph, node, str(op.overloadpacket))
+            return 1
+        with graph.inserting_before(node):
+            run = graph.call_function(RUN_CHECKED, (overload_name(op), tensors, spec, candidates, site, self.fallback))
+        run.meta.update(node.meta)
+        run.meta["sdc_guard"] = "run_checked"
+        node.replace_all_uses_with(run)
+        graph.erase_node(node)
         return 1
 
     def _outputs(self, graph: fx.Graph, node: fx.Node) -> list[fx.Node | None]:
@@ -207,7 +225,7 @@ class _Instrumenter:
         found: dict[Any, list[fx.Node]] = {}
         for node in graph.nodes:
             if node.op == "call_function" and isinstance(node.target, OpOverload) \
-                    and route_of(node.target) is Route.GEMM and node.meta.get("seq_nr") is not None:
+                    and route_of(node.target) in (Route.GEMM, Route.REDISPATCH) and node.meta.get("seq_nr") is not None:
                 for anchor in self._anchors_of(node):
                     if anchor not in found.setdefault(node.meta["seq_nr"], []):
                         found[node.meta["seq_nr"]].append(anchor)
