@@ -229,3 +229,21 @@ def run_checked(op: str, tensors: list[Optional[Tensor]], spec: str, anchors: li
         site = resolve_site(site, anchors) or fallback
         with InnerGemms(sink, site, current_phase()):
             return func(*args, **kwargs)
+
+
+def run_hop_checked(name: str, site: str, fallback: str, anchors: list[Tensor], *args: Any, **kwargs: Any) -> Any:
+    """Run the higher-order op ``name`` (``flex_attention``, ``flex_attention_backward``)
+    with ``args`` as a graph that runs node by node runs it, its dense kernel, and return
+    its result; each GEMM of that kernel checked with this thread's guard
+    (``InnerGemms``, which runs a HOP by ``hops.HOP_BODIES``: the kernel the eager route
+    runs), at ``site`` (resolved as ``check_node`` resolves it) in the run's phase. Put
+    by the graph pass in place of the HOP in ``aot_eager``'s graphs only (a plain Python
+    function: no compiler lowers it). Without a guard on this thread the HOP just runs."""
+    hop = getattr(torch.ops.higher_order, name)
+    sink = current_sink()
+    if sink is None:
+        return hop(*args, **kwargs)
+    with DisableTorchFunction():
+        site = resolve_site(site, anchors) or fallback
+        with InnerGemms(sink, site, current_phase()):
+            return hop(*args, **kwargs)

@@ -41,7 +41,7 @@ from torch import fx
 from ...core.torch_private import HigherOrderOperator, OpOverload
 
 from .graph_checks import CheckSink, module_path
-from .graph_ops import Unsupported, encode_call, overload_name
+from .graph_ops import Unsupported, encode_call, overload_name, run_hop_checked
 from ..dispatch.intercept import GLOBAL_SITE
 from ..dispatch.ops import Route, route_of
 
@@ -59,16 +59,20 @@ _VIEWS = frozenset({"t", "permute", "transpose", "view", "_unsafe_view", "reshap
 CHECK_NODE = torch.ops.sdc_guard.check_node.default
 NOTE = torch.ops.sdc_guard.note_unverified.default
 RUN_CHECKED = torch.ops.sdc_guard.run_checked.default
-CHECK_TARGETS = frozenset({CHECK_NODE, NOTE, RUN_CHECKED})
+CHECK_TARGETS = frozenset({CHECK_NODE, NOTE, RUN_CHECKED, run_hop_checked})
 
 
-def instrument(graph: fx.Graph, sink: CheckSink) -> int:
+def instrument(graph: fx.Graph, sink: CheckSink, runs_in_python: bool = False) -> int:
     """Put a check after every GEMM of ``graph`` and of the bodies it runs (see the module
     doc); returns how many checks were put. A graph that already holds checks (a body
-    inductor compiles on its own before the graph that runs it) is left as it is."""
+    inductor compiles on its own before the graph that runs it) is left as it is.
+    ``runs_in_python``: the graph is run as it is, node by node (``aot_eager``'s), so a
+    node may call a Python function: flex attention's HOP, run there by its dense kernel,
+    is run by that kernel under ``graph_ops.InnerGemms`` (``graph_ops.run_hop_checked``);
+    elsewhere (inductor, which lowers it to a fused kernel of its own) it is counted."""
     if _checked(graph):
         return 0
-    return _Instrumenter(sink, graph).graph(graph)
+    return _Instrumenter(sink, graph, runs_in_python).graph(graph)
 
 
 def _checked(graph: fx.Graph) -> bool:
@@ -76,8 +80,9 @@ def _checked(graph: fx.Graph) -> bool:
 
 
 class _Instrumenter:
-    def __init__(self, sink: CheckSink, graph: fx.Graph) -> None:
+    def __init__(self, sink: CheckSink, graph: fx.Graph, runs_in_python: bool = False) -> None:
         self.sink = sink
+        self.runs_in_python = runs_in_python
         self.walked: set[int] = set()
         names = sink.module_names
         self.root = type(getattr(names.model, "_orig_mod", names.model)).__name__
@@ -244,6 +249,13 @@ class _Instrumenter:
                     count += self.graph(body.graph)
                     body.recompile()
             return count
+        if name in OPAQUE and self.runs_in_python:
+            # its dense kernel is what this graph runs: run it with its GEMMs checked
+            site, anchors = self._site(node), self._anchors_of(node)
+            node.args = (name, site, self.fallback, anchors, *node.args)
+            node.target = run_hop_checked
+            node.meta["sdc_guard"] = "run_checked"
+            return 1
         if name in OPAQUE or bodies:
             self._note(graph, node, f"higher_order.{name}")
             return 1
