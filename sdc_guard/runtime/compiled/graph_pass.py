@@ -5,7 +5,7 @@ It runs on the forward and the backward graph AOT autograd hands its compilers a
 partitioning (``runtime/compiled/graph_install.py`` says where: inductor's post-grad custom pass,
 ``aot_eager``'s compiler), so the graphs it sees are the ones that run: activation
 checkpointing's recomputed forward GEMMs are ordinary aten nodes of the backward graph,
-decomposed composites (``einsum``, ``tensordot``, ``bilinear``, a math-kernel attention)
+decomposed composites (``einsum``, ``tensordot``, a math-kernel attention)
 are ``mm`` / ``bmm`` nodes, and the bodies of ``torch.cond`` and ``while_loop`` are
 subgraphs it walks into. Whatever the compiler then does with a GEMM (an extern kernel, a
 fused template, an epilogue), the check node reads the tensors the GEMM reads and the one
@@ -14,8 +14,14 @@ it writes.
 Each aten node is routed by the op registry (``ops.route_of``), as the dispatch mode
 routes a call: a GEMM or a fused attention kernel gets ``sdc_guard::check_node``
 (``runtime/compiled/graph_ops.py``), a GEMM-bearing op the registry cannot verify (a convolution,
-a matrix-vector product) gets ``note_unverified``, so it is counted; a higher-order op
-whose bodies are not walked into is counted under its name. Everything the check needs
+a matrix-vector product) gets ``note_unverified``, so it is counted. An op whose GEMMs
+are inside its own kernel (``Route.REDISPATCH``: ``_trilinear``, what ``bilinear`` runs)
+is replaced by ``sdc_guard::run_checked``, the same kernel run with its inner GEMMs
+checked; so is flex attention's HOP in a graph run node by node (``aot_eager``'s:
+``graph_ops.run_hop_checked``, its dense kernel, the one that graph runs). A
+higher-order op whose bodies are not walked into and that is not replaced (flex
+attention under inductor, which lowers it to a fused kernel of its own) is counted
+under its name. Everything the check needs
 that only the graph knows is put into the node's arguments as constants:
 
 - the phase: ``backward`` in a graph with tangent inputs (recomputations included, as on
@@ -49,7 +55,8 @@ from ..dispatch.ops import Route, route_of
 WALKED = frozenset({"cond", "while_loop", "while_loop_stack_output", "invoke_subgraph",
                     "tag_activation_checkpoint"})
 #: higher-order ops whose subgraphs hold no GEMM of the op's own (score and mask functions):
-#: the op itself is what multiplies matrices
+#: the op itself is what multiplies matrices (run by ``run_hop_checked`` in a graph run node
+#: by node, counted elsewhere)
 OPAQUE = frozenset({"flex_attention", "flex_attention_backward"})
 #: ops through which a parameter reaches a GEMM as a view or a cast of itself
 _VIEWS = frozenset({"t", "permute", "transpose", "view", "_unsafe_view", "reshape", "expand", "alias",
