@@ -352,3 +352,90 @@ def test_compiled_transformers_sdpa_trains_clean(arch, precision):
             assert r.attention_checks == 4  # 2 layers, forward and backward: every call verified
             assert not [op for op in r.unverified_ops if attention_op(op)]
     assert not [k for k in counters["graph_break"] if "sdc_guard" in k or "check_" in k or "Tap" in k]
+
+
+class FlexAttn(nn.Module):
+    """Flex attention (a soft-capping ``score_mod``, a causal block mask) between two Linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.o = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        mask = create_block_mask(_causal, None, None, t, t, device=x.device)
+        return self.o(flex_attention(q, k, v, score_mod=_softcap, block_mask=mask).transpose(1, 2).reshape(b, t, 16))
+
+
+class FlexNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.head = FlexAttn(), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.attn(x)))
+
+
+def _causal(b, h, q, kv):  # noqa: ANN001, ANN202  (flex attention's mask_mod signature)
+    return q >= kv
+
+
+def _softcap(score, b, h, q, kv):  # noqa: ANN001, ANN202  (flex attention's score_mod signature)
+    return torch.tanh(score / 5) * 5 + (q - kv) * 0.01
+
+
+def _flex_model() -> FlexNet:
+    torch.manual_seed(0)
+    return FlexNet()
+
+
+def _flex_x() -> torch.Tensor:
+    return torch.randn(2, 128, 16, generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.corpus  # flex attention through torch.compile, guarded and not, two backends (about 40 s)
+@pytest.mark.slow
+def test_compiled_flex_attention_is_verified_with_aot_eager_and_counted_with_inductor():
+    """CPU flex attention has no backward in torch 2.13: forward only (``no_grad``)."""
+    x = _flex_x()
+    with torch.no_grad():
+        eager_model = _flex_model()
+        with sdc_guard.protect(eager_model, compiled=False) as eager:
+            eager_model(x)
+        expected = eager.last_report
+        # three Linears and the two matmuls of the dense kernel
+        assert expected.unverified_ops == {} and expected.verified == expected.seen == 5
+        for backend in ("aot_eager", "inductor"):
+            torch._dynamo.reset()
+            model = _flex_model()
+            compiled = torch.compile(model, backend=backend)
+            clean = compiled(x)
+            with sdc_guard.protect(model) as guard:
+                out = compiled(x)
+            report = guard.last_report
+            assert torch.equal(out, clean)
+            if backend == "aot_eager":  # the dense kernel the graph runs, its two matmuls checked
+                assert (report.seen, report.verified, report.flagged, report.unverified_ops) == (5, 5, 0, {})
+                assert guard.ledger.sites_seen == eager.ledger.sites_seen
+                assert ("attn", "forward", "matmul") in guard.ledger.sites_seen
+            else:  # inductor's fused flex kernel: counted (docs/COMPILE.md, "Limits")
+                assert (report.seen, report.verified, report.unverified_ops) == \
+                    (3, 3, {"higher_order.flex_attention": 1})
+
+
+@pytest.mark.corpus  # flex attention through torch.compile (about 10 s)
+@pytest.mark.slow
+def test_drilled_fault_in_compiled_flex_attention_is_detected():
+    model = _flex_model()
+    compiled = torch.compile(model, backend="aot_eager")
+    fault = GemmFault(site="attn", op="matmul", call=1)  # P V, the second of the kernel's matmuls
+    with torch.no_grad(), drill(model, fault) as injector, sdc_guard.protect(model) as guard:
+        compiled(_flex_x())
+    report = guard.last_report
+    assert [(i.site, i.op) for i in injector.injections] == [("attn", "matmul")] and injector.injections[0].changed
+    assert [(d.site, d.phase, d.op) for d in report.detections] == [("attn", "forward", "matmul")]
+    assert report.flagged == 1 and report.unverified_ops == {}
+    assert graph_checks.active_drills() == ()

@@ -49,10 +49,10 @@ _saved: dict[str, Any] = {}
 _VERSION = "sdc_guard-graph-checks-1"
 
 
-def _instrument(graph: fx.Graph) -> int:
+def _instrument(graph: fx.Graph, runs_in_python: bool = False) -> int:
     from .graph_pass import instrument  # graph_pass imports the check ops; loaded on first use
     sink = current_sink()
-    return 0 if sink is None else instrument(graph, sink)
+    return 0 if sink is None else instrument(graph, sink, runs_in_python)
 
 
 def _source_hash() -> str:
@@ -82,7 +82,7 @@ def _inductor_pass() -> Any:
 
 def _wrap_nop(nop: Callable[..., Any]) -> Callable[..., Any]:
     def boxed_nop(fx_g: fx.GraphModule, example_inputs: Any) -> Any:
-        if _instrument(fx_g.graph):
+        if _instrument(fx_g.graph, runs_in_python=True):
             fx_g.recompile()
         return nop(fx_g, example_inputs)
 

@@ -12,6 +12,12 @@ so a compiled GEMM is described, sampled, screened, confirmed and reported exact
 eager one: one registry, one intake (``Guard.on_gemm`` / ``on_attention``). Ops that carry
 a GEMM the registry cannot verify get ``note_unverified`` (``graph_checks``) instead.
 
+An op whose kernel is built from aten GEMMs (``Route.REDISPATCH``: ``_trilinear``, what
+``bilinear`` runs) has its GEMMs inside that kernel, out of a check node's reach: the pass
+puts ``sdc_guard::run_checked`` in its place, which runs the same kernel, with the same
+arguments, under a dispatch mode that checks each GEMM it calls (``InnerGemms``), as the
+eager route's mode does. The result is the kernel's, bit for bit.
+
 Like the other check ops it returns nothing and writes nothing, and is registered as a
 side effect (``graph_checks.keep_in_graph``) so that dead-code elimination keeps it. A
 drill may corrupt the output first (``graph_checks.run_drills``), as a faulty unit would
@@ -30,9 +36,9 @@ from torch import Tensor
 
 from ...core.torch_private import DisableTorchFunction
 from ..dispatch.attention import ATTENTION_HANDLERS, AttentionCall, BACKWARD_OP
-from .graph_checks import check_op, count_check, current_sink, resolve_site, run_drills
+from .graph_checks import CheckSink, check_op, count_check, current_sink, resolve_site, run_drills, running_op
 from ..dispatch.intercept import current_phase
-from ..dispatch.ops import GEMM_HANDLERS, Gemm, Route, route_of
+from ..dispatch.ops import GEMM_HANDLERS, Gemm, Route, RoutingMode, route_of
 
 #: how a tensor is named inside a ``spec`` (``("@", i)``: the i-th of ``tensors``)
 TENSOR = "@"
@@ -166,3 +172,78 @@ def check_node(op: str, tensors: list[Optional[Tensor]], spec: str, outputs: lis
             sink.charge(time.perf_counter() - started)
             sink.on_attention(call, site or None, phase)
         count_check()
+
+
+class InnerGemms(RoutingMode):
+    """The dispatch mode ``run_checked`` runs an op's kernel under: each GEMM the kernel
+    calls (``Route.GEMM``) is handed, once it has run, to the drills and then to the sink
+    (``Guard.on_gemm``) at the node's site and the run's phase, as the dispatch mode
+    hands it on the eager route; a GEMM-bearing op it cannot verify is counted. Every
+    other op runs straight through (``quiet``)."""
+
+    def __init__(self, sink: CheckSink, site: str, phase: str) -> None:
+        super().__init__()
+        self.sink, self.site, self.phase = sink, site, phase
+
+    def quiet(self, func: Any, route: Route) -> bool:
+        return True
+
+    def after(self, func: Any, route: Route, args: tuple, kwargs: dict, out: Any) -> None:
+        started = time.perf_counter()
+        if route is Route.GEMM:
+            gemm = GEMM_HANDLERS[func.overloadpacket](args, kwargs, out)
+            if not isinstance(gemm, Gemm):
+                self.sink.on_unverified(str(func.overloadpacket))
+                return
+            run_drills(gemm.op, gemm.out, self.site, self.phase)
+            self.sink.charge(time.perf_counter() - started)
+            self.sink.on_gemm(gemm, self.site or None, self.phase)
+            count_check()
+        elif route in (Route.UNVERIFIED, Route.ATTENTION):
+            self.sink.on_unverified(str(func.overloadpacket))
+
+
+def _run_fake(op: str, tensors: list[Optional[Tensor]], spec: str, anchors: list[Tensor], site: str,
+              fallback: str) -> Any:
+    """``run_checked``'s fake kernel: the op itself, on the fake tensors it is handed."""
+    args, kwargs = decode_call(spec, tensors)
+    return overload(op)(*args, **kwargs)
+
+
+@running_op("run_checked(str op, Tensor?[] tensors, str spec, Tensor[] anchors, str site, str fallback) -> Tensor",
+            _run_fake)
+def run_checked(op: str, tensors: list[Optional[Tensor]], spec: str, anchors: list[Tensor], site: str,
+                fallback: str) -> Tensor:
+    """Run the aten op ``op`` (one returning a tensor) with the arguments ``spec`` and
+    ``tensors`` describe and return its result, each GEMM its kernel calls checked with
+    this thread's guard (``InnerGemms``), at ``site`` (resolved as ``check_node``
+    resolves it) in the run's phase. Without a guard on this thread (a graph compiled
+    inside ``protect()`` run after it) the op just runs. Either way the same kernel runs
+    on the same arguments: the result is the one the op would have returned."""
+    func = overload(op)
+    args, kwargs = decode_call(spec, tensors)
+    sink = current_sink()
+    if sink is None:
+        return func(*args, **kwargs)
+    with DisableTorchFunction():  # the kernel's own ops are the model's, checked below
+        site = resolve_site(site, anchors) or fallback
+        with InnerGemms(sink, site, current_phase()):
+            return func(*args, **kwargs)
+
+
+def run_hop_checked(name: str, site: str, fallback: str, anchors: list[Tensor], *args: Any, **kwargs: Any) -> Any:
+    """Run the higher-order op ``name`` (``flex_attention``, ``flex_attention_backward``)
+    with ``args`` as a graph that runs node by node runs it, its dense kernel, and return
+    its result; each GEMM of that kernel checked with this thread's guard
+    (``InnerGemms``, which runs a HOP by ``hops.HOP_BODIES``: the kernel the eager route
+    runs), at ``site`` (resolved as ``check_node`` resolves it) in the run's phase. Put
+    by the graph pass in place of the HOP in ``aot_eager``'s graphs only (a plain Python
+    function: no compiler lowers it). Without a guard on this thread the HOP just runs."""
+    hop = getattr(torch.ops.higher_order, name)
+    sink = current_sink()
+    if sink is None:
+        return hop(*args, **kwargs)
+    with DisableTorchFunction():
+        site = resolve_site(site, anchors) or fallback
+        with InnerGemms(sink, site, current_phase()):
+            return hop(*args, **kwargs)

@@ -5,7 +5,7 @@ It runs on the forward and the backward graph AOT autograd hands its compilers a
 partitioning (``runtime/compiled/graph_install.py`` says where: inductor's post-grad custom pass,
 ``aot_eager``'s compiler), so the graphs it sees are the ones that run: activation
 checkpointing's recomputed forward GEMMs are ordinary aten nodes of the backward graph,
-decomposed composites (``einsum``, ``tensordot``, ``bilinear``, a math-kernel attention)
+decomposed composites (``einsum``, ``tensordot``, a math-kernel attention)
 are ``mm`` / ``bmm`` nodes, and the bodies of ``torch.cond`` and ``while_loop`` are
 subgraphs it walks into. Whatever the compiler then does with a GEMM (an extern kernel, a
 fused template, an epilogue), the check node reads the tensors the GEMM reads and the one
@@ -14,8 +14,14 @@ it writes.
 Each aten node is routed by the op registry (``ops.route_of``), as the dispatch mode
 routes a call: a GEMM or a fused attention kernel gets ``sdc_guard::check_node``
 (``runtime/compiled/graph_ops.py``), a GEMM-bearing op the registry cannot verify (a convolution,
-a matrix-vector product) gets ``note_unverified``, so it is counted; a higher-order op
-whose bodies are not walked into is counted under its name. Everything the check needs
+a matrix-vector product) gets ``note_unverified``, so it is counted. An op whose GEMMs
+are inside its own kernel (``Route.REDISPATCH``: ``_trilinear``, what ``bilinear`` runs)
+is replaced by ``sdc_guard::run_checked``, the same kernel run with its inner GEMMs
+checked; so is flex attention's HOP in a graph run node by node (``aot_eager``'s:
+``graph_ops.run_hop_checked``, its dense kernel, the one that graph runs). A
+higher-order op whose bodies are not walked into and that is not replaced (flex
+attention under inductor, which lowers it to a fused kernel of its own) is counted
+under its name. Everything the check needs
 that only the graph knows is put into the node's arguments as constants:
 
 - the phase: ``backward`` in a graph with tangent inputs (recomputations included, as on
@@ -41,7 +47,7 @@ from torch import fx
 from ...core.torch_private import HigherOrderOperator, OpOverload
 
 from .graph_checks import CheckSink, module_path
-from .graph_ops import Unsupported, encode_call, overload_name
+from .graph_ops import Unsupported, encode_call, overload_name, run_hop_checked
 from ..dispatch.intercept import GLOBAL_SITE
 from ..dispatch.ops import Route, route_of
 
@@ -49,7 +55,8 @@ from ..dispatch.ops import Route, route_of
 WALKED = frozenset({"cond", "while_loop", "while_loop_stack_output", "invoke_subgraph",
                     "tag_activation_checkpoint"})
 #: higher-order ops whose subgraphs hold no GEMM of the op's own (score and mask functions):
-#: the op itself is what multiplies matrices
+#: the op itself is what multiplies matrices (run by ``run_hop_checked`` in a graph run node
+#: by node, counted elsewhere)
 OPAQUE = frozenset({"flex_attention", "flex_attention_backward"})
 #: ops through which a parameter reaches a GEMM as a view or a cast of itself
 _VIEWS = frozenset({"t", "permute", "transpose", "view", "_unsafe_view", "reshape", "expand", "alias",
@@ -58,16 +65,21 @@ _VIEWS = frozenset({"t", "permute", "transpose", "view", "_unsafe_view", "reshap
 
 CHECK_NODE = torch.ops.sdc_guard.check_node.default
 NOTE = torch.ops.sdc_guard.note_unverified.default
-CHECK_TARGETS = frozenset({CHECK_NODE, NOTE})
+RUN_CHECKED = torch.ops.sdc_guard.run_checked.default
+CHECK_TARGETS = frozenset({CHECK_NODE, NOTE, RUN_CHECKED, run_hop_checked})
 
 
-def instrument(graph: fx.Graph, sink: CheckSink) -> int:
+def instrument(graph: fx.Graph, sink: CheckSink, runs_in_python: bool = False) -> int:
     """Put a check after every GEMM of ``graph`` and of the bodies it runs (see the module
     doc); returns how many checks were put. A graph that already holds checks (a body
-    inductor compiles on its own before the graph that runs it) is left as it is."""
+    inductor compiles on its own before the graph that runs it) is left as it is.
+    ``runs_in_python``: the graph is run as it is, node by node (``aot_eager``'s), so a
+    node may call a Python function: flex attention's HOP, run there by its dense kernel,
+    is run by that kernel under ``graph_ops.InnerGemms`` (``graph_ops.run_hop_checked``);
+    elsewhere (inductor, which lowers it to a fused kernel of its own) it is counted."""
     if _checked(graph):
         return 0
-    return _Instrumenter(sink, graph).graph(graph)
+    return _Instrumenter(sink, graph, runs_in_python).graph(graph)
 
 
 def _checked(graph: fx.Graph) -> bool:
@@ -75,8 +87,9 @@ def _checked(graph: fx.Graph) -> bool:
 
 
 class _Instrumenter:
-    def __init__(self, sink: CheckSink, graph: fx.Graph) -> None:
+    def __init__(self, sink: CheckSink, graph: fx.Graph, runs_in_python: bool = False) -> None:
         self.sink = sink
+        self.runs_in_python = runs_in_python
         self.walked: set[int] = set()
         names = sink.module_names
         self.root = type(getattr(names.model, "_orig_mod", names.model)).__name__
@@ -100,27 +113,44 @@ class _Instrumenter:
 
     def _op(self, graph: fx.Graph, node: fx.Node, op: OpOverload, anchors: dict[Any, list[fx.Node]]) -> int:
         route = route_of(op)
-        if route in (Route.UNVERIFIED, Route.REDISPATCH):
-            # REDISPATCH (``_trilinear``, what ``bilinear`` runs): its GEMMs are inside its
-            # kernel in a graph (the eager route runs that kernel under its mode): counted
+        if route is Route.UNVERIFIED:
             self._note(graph, node, str(op.overloadpacket))
             return 1
-        if route not in (Route.GEMM, Route.ATTENTION):
+        if route not in (Route.GEMM, Route.ATTENTION, Route.REDISPATCH):
             return 0
         try:
             spec, tensors = encode_call(node.args, node.kwargs, _is_tensor)
         except Unsupported:  # an argument no literal holds (a symbolic size): counted
             self._note(graph, node, str(op.overloadpacket))
             return 1
-        outputs = self._outputs(graph, node)
         site = self._site(node)
         candidates = self._anchors_of(node)
-        if route is Route.GEMM:
+        if route in (Route.GEMM, Route.REDISPATCH):
             candidates += [a for a in anchors.get(node.meta.get("seq_nr"), []) if a not in candidates]
+        if route is Route.REDISPATCH:
+            return self._run_checked(graph, node, op, tensors, spec, candidates, site)
+        outputs = self._outputs(graph, node)
         with graph.inserting_after(_last_of(node, [o for o in outputs if o is not None])):
             check = graph.call_function(CHECK_NODE, (
                 overload_name(op), tensors, spec, outputs if outputs else [node], candidates, site, self.fallback))
         check.meta["sdc_guard"] = "check"
+        return 1
+
+    def _run_checked(self, graph: fx.Graph, node: fx.Node, op: OpOverload, tensors: list[Any], spec: str,
+                     candidates: list[fx.Node], site: str) -> int:
+        """Put ``sdc_guard::run_checked`` in the place of ``node`` (a ``REDISPATCH`` op,
+        ``_trilinear``: its GEMMs are inside its kernel, where no node after it reaches):
+        the same kernel on the same arguments, its inner GEMMs checked
+        (``graph_ops.run_checked``). Counted, as before, where it returns no single tensor."""
+        if not isinstance(node.meta.get("val"), torch.Tensor):
+            self._note(graph, node, str(op.overloadpacket))
+            return 1
+        with graph.inserting_before(node):
+            run = graph.call_function(RUN_CHECKED, (overload_name(op), tensors, spec, candidates, site, self.fallback))
+        run.meta.update(node.meta)
+        run.meta["sdc_guard"] = "run_checked"
+        node.replace_all_uses_with(run)
+        graph.erase_node(node)
         return 1
 
     def _outputs(self, graph: fx.Graph, node: fx.Node) -> list[fx.Node | None]:
@@ -207,7 +237,7 @@ class _Instrumenter:
         found: dict[Any, list[fx.Node]] = {}
         for node in graph.nodes:
             if node.op == "call_function" and isinstance(node.target, OpOverload) \
-                    and route_of(node.target) is Route.GEMM and node.meta.get("seq_nr") is not None:
+                    and route_of(node.target) in (Route.GEMM, Route.REDISPATCH) and node.meta.get("seq_nr") is not None:
                 for anchor in self._anchors_of(node):
                     if anchor not in found.setdefault(node.meta["seq_nr"], []):
                         found[node.meta["seq_nr"]].append(anchor)
@@ -226,6 +256,13 @@ class _Instrumenter:
                     count += self.graph(body.graph)
                     body.recompile()
             return count
+        if name in OPAQUE and self.runs_in_python:
+            # its dense kernel is what this graph runs: run it with its GEMMs checked
+            site, anchors = self._site(node), self._anchors_of(node)
+            node.args = (name, site, self.fallback, anchors, *node.args)
+            node.target = run_hop_checked
+            node.meta["sdc_guard"] = "run_checked"
+            return 1
         if name in OPAQUE or bodies:
             self._note(graph, node, f"higher_order.{name}")
             return 1

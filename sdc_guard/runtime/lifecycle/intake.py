@@ -63,13 +63,14 @@ class CheckIntake:
 
     def on_unverified(self, op: str) -> None:
         """Count a GEMM-bearing op that cannot be verified. A higher-order op in a compiled
-        graph (flex attention: its fused kernel multiplies inside one call) also warns once
-        per model, naming the route that verifies it."""
+        graph (flex attention under inductor: its fused kernel multiplies inside one call)
+        also warns once per model, naming the routes that verify it."""
         self._ledger.unverifiable(op)
         if self.compiled and op.startswith("higher_order."):
             self._warn_once(f"hop:{op}", f"sdc_guard: {op} in a compiled graph: the GEMMs inside its kernel are "
                             "counted in unverified_ops, not verified (docs/COMPILE.md, 'Limits'); eager code "
-                            "verifies them (protect(model, compiled=False) runs the model's frames eagerly)")
+                            "and backend='aot_eager' verify them (protect(model, compiled=False) runs the "
+                            "model's frames eagerly)")
 
     def note_intercepted(self, calls: int = 1) -> None:
         """Count ``calls`` a route made into the guard's Python without timing them
