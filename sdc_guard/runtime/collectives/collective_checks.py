@@ -14,6 +14,14 @@ a reduction) and every rank checks what it received:
 - reduce-scatter: likewise for this rank's chunk, against the senders' chunk checksums;
 - all-gather: every shard's bits must match its sender's exactly.
 
+The checksums are one call each of the native kernel where it covers the tensor (CPU,
+fp32 / bf16 sums, any dtype's bits: ``backends/native.collective_sums_into`` and
+``collective_bits_into``), else torch's (``core/collective.py``); the verdicts are one
+vectorised pass per kind of collective (``suspects``), ``verdict`` judging a record alone
+only where that pass finds a mismatch. Why: the checks' cost was their fixed cost per
+collective (dozens of small torch operations, some on the backend's thread, where each
+gives the GIL back), not their arithmetic (issue 35; docs/PERFORMANCE.md, "Collectives").
+
 A mismatch is a ``Detection`` of kind ``"collective"``: the op, the step, the sending and
 receiving ranks, the bucket or module. It goes to the responder like a GEMM's (re-execution
 first). The exchange's header (one per rank, the step, the number of records and a digest
@@ -40,7 +48,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from ...core.torch_private import disable_current_modes
+from ...core.torch_private import DisableTorchFunction, disable_current_modes
 
 from ...backends.native import collective_bits_into, collective_sums_into
 from ...core.collective import (
@@ -174,12 +182,15 @@ class CollectiveChecks:
         started = time.perf_counter()
         record = None
         try:
-            call = describe(func, args, kwargs)
-            if call is not None and call.unchecked is not None:
-                key = f"{call.op}[{call.unchecked}]"
-                self._unchecked[key] = self._unchecked.get(key, 0) + 1
-            elif call is not None:
-                record = self._record(call, phase, call_index)
+            # the checks' own tensor operations pass no function mode (the compiled
+            # route's GemmFunctionMode would run Python for each; they are not the model's)
+            with DisableTorchFunction():
+                call = describe(func, args, kwargs)
+                if call is not None and call.unchecked is not None:
+                    key = f"{call.op}[{call.unchecked}]"
+                    self._unchecked[key] = self._unchecked.get(key, 0) + 1
+                elif call is not None:
+                    record = self._record(call, phase, call_index)
         except Exception as exc:  # monitoring never breaks the op
             self._warn(f"collective:{type(exc).__name__}", f"sdc_guard: could not check a collective "
                        f"({type(exc).__name__}: {exc}); it runs unchecked")
@@ -239,12 +250,14 @@ class CollectiveChecks:
         try:
             landing, op = record.landing, record.call.op
             # the native kernel: one call, no torch op, the GIL kept (csrc/coll_sums.c)
-            if landing is not None and (collective_bits_into(result, record.wide, landing, landing.shape[0])
-                                        if op == "all_gather" else
-                                        collective_sums_into(result, landing, with_abs=False)):
+            with DisableTorchFunction():
+                native = landing is not None and (
+                    collective_bits_into(result, record.wide, landing, landing.shape[0]) if op == "all_gather"
+                    else collective_sums_into(result, landing, with_abs=False))
+            if native:
                 record.received = landing
             else:
-                with disable_current_modes():
+                with disable_current_modes(), DisableTorchFunction():
                     flat = result.reshape(-1)
                     if op == "all_gather":
                         record.received = bit_checksums(flat, record.wide, rows=record.call.group_size)
@@ -281,7 +294,7 @@ class CollectiveChecks:
         self._unchecked = {}
         self.enabled = False  # a collective after the step closed (the responder's) is not the step's
         if records:
-            with disable_current_modes():
+            with disable_current_modes(), DisableTorchFunction():
                 self._finish(records)
                 by_group: dict[str, list[Record]] = {}
                 for r in records:
