@@ -182,8 +182,8 @@ class CollectiveChecks:
         started = time.perf_counter()
         record = None
         try:
-            # the checks' own tensor operations pass no function mode (the compiled
-            # route's GemmFunctionMode would run Python for each; they are not the model's)
+            # the checks' own tensor operations pass no function mode (the guard's
+            # GemmFunctionMode would run Python for each; they are not the model's)
             with DisableTorchFunction():
                 call = describe(func, args, kwargs)
                 if call is not None and call.unchecked is not None:
@@ -402,7 +402,11 @@ def suspects(checked: list[tuple[Record, Tensor]]) -> list[tuple[Record, Tensor]
 
 def _clear(key: tuple[Any, ...], members: list[tuple[Record, Tensor]]) -> bool:
     """Whether every record of one kind passes (``suspects``): ``verdict``'s comparisons
-    on all their rows at once."""
+    on all their rows at once. A record whose checksums have not the rows its block
+    expects is never cleared here (its rows would shift its neighbours')."""
+    rows = [r.call.group_size if r.call.op == "all_gather" else segments(r.numel) for r, _ in members]
+    if any(r.received.numel() != 2 * n for (r, _), n in zip(members, rows)):
+        return False
     received = torch.cat([r.received.to(torch.float64).reshape(-1, 2) for r, _ in members]).cpu()
     if key[0] == "all_gather":
         sent = torch.cat([block for _, block in members]).view(-1, 2)
