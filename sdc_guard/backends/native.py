@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import threading
 import types
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -262,6 +263,13 @@ _COLLECTIVE_LAYOUT = (2048, 64)
 _SUMS_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
+def _collective_kernel(name: str) -> Any:
+    """The extension's entry point ``name``, or ``None``: an extension built before
+    ``csrc/coll_sums.c`` lacks it (the checks then use torch's checksums, not fail)."""
+    ext = extension()
+    return None if ext is None else getattr(ext, name, None)
+
+
 def _collective_output(out: Tensor, numel: int) -> bool:
     return (out.device.type == "cpu" and out.dtype == torch.float64 and out.is_contiguous()
             and out.numel() == numel)
@@ -280,9 +288,9 @@ def collective_sums_into(x: Tensor, out: Tensor, *, with_abs: bool, rows: int = 
     keeps it). The sums are added in another order than torch's, with fewer fp32
     roundings; ``core.collective.reduction_bound`` covers both (csrc/coll_sums.c says why).
     """
-    ext = _load()
+    kernel = _collective_kernel("coll_sums")
     code = _SUMS_DTYPES.get(x.dtype)
-    if ext is None or code is None or (_collective_core.SEGMENT, _collective_core.PARTIAL) != _COLLECTIVE_LAYOUT:
+    if kernel is None or code is None or (_collective_core.SEGMENT, _collective_core.PARTIAL) != _COLLECTIVE_LAYOUT:
         return False
     numel = x.numel()
     if x.device.type != "cpu" or not x.is_contiguous() or numel == 0 or rows < 1 or numel % rows:
@@ -291,7 +299,7 @@ def collective_sums_into(x: Tensor, out: Tensor, *, with_abs: bool, rows: int = 
     segs = _collective_core.segments(n)
     if not _collective_output(out, rows * segs * (3 if with_abs else 2)):
         return False
-    ext.coll_sums(x.data_ptr(), code, n, rows, int(with_abs), out.data_ptr())
+    kernel(x.data_ptr(), code, n, rows, int(with_abs), out.data_ptr())
     return True
 
 
@@ -301,8 +309,8 @@ def collective_bits_into(x: Tensor, wide: bool, out: Tensor, rows: int = 1) -> b
     the GIL (``collective_sums_into`` says why). ``False`` (``out`` untouched) where it
     does not cover ``x`` (not contiguous on the CPU, words that do not split into
     ``rows`` equal rows, no extension): the caller then uses ``bit_checksums``."""
-    ext = _load()
-    if ext is None or _collective_core.SEGMENT != _COLLECTIVE_LAYOUT[0]:
+    kernel = _collective_kernel("coll_bits")
+    if kernel is None or _collective_core.SEGMENT != _COLLECTIVE_LAYOUT[0]:
         return False
     if x.device.type != "cpu" or not x.is_contiguous() or rows < 1 or not _collective_output(out, 2 * rows):
         return False
@@ -310,5 +318,5 @@ def collective_bits_into(x: Tensor, wide: bool, out: Tensor, rows: int = 1) -> b
     nbytes = x.numel() * x.element_size()
     if nbytes % (word * rows):
         return False
-    ext.coll_bits(x.data_ptr(), int(word == 4), nbytes // (word * rows), rows, out.data_ptr())
+    kernel(x.data_ptr(), int(word == 4), nbytes // (word * rows), rows, out.data_ptr())
     return True

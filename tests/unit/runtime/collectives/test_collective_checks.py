@@ -451,6 +451,19 @@ def test_native_kernels_decline_what_they_do_not_cover() -> None:
     assert bool((out == 7.0).all())
 
 
+def test_an_extension_built_before_the_collective_kernels_falls_back_to_torch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An extension without ``coll_sums`` / ``coll_bits`` (built before them) declines,
+    so that the checks take torch's checksums instead of failing."""
+    import types
+
+    stale = types.SimpleNamespace(check=None)  # an extension of an older build
+    monkeypatch.setattr(native, "extension", lambda: stale)
+    out = torch.empty(3, dtype=torch.float64)
+    assert not native.collective_sums_into(torch.randn(SEGMENT), out, with_abs=True)
+    assert not native.collective_bits_into(torch.randn(SEGMENT), True, out[:2])
+
+
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float64], ids=str)
 def test_native_bit_checksums_equal_torch_exactly(dtype: torch.dtype) -> None:
