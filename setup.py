@@ -22,7 +22,7 @@ _DEFAULT_FLAGS = "-O3 -march=native"
 _FIXED_FLAGS = ["-std=gnu11", "-ffp-contract=off", "-fno-math-errno", "-pthread"]
 # one file per concept (csrc/vabft_cpu.h says what each holds); the headers are depends so
 # that editing one rebuilds the extension and an sdist ships them
-_SOURCES = [f"csrc/{name}.c" for name in ("module", "parallel", "weight_side", "check", "check_a", "check_sums",
+_SOURCES = [f"csrc/{name}.c" for name in ("module", "parallel", "weight_side", "check", "check_a", "check_sums", "coll_sums",
                                            "attn", "attn_isa_generic", "attn_isa_avx2", "attn_isa_avx512")]
 _HEADERS = [f"csrc/{name}.h" for name in ("vabft_cpu", "lanes", "runs", "check", "attn", "attn_simd",
                                            "attn_body")]

@@ -253,6 +253,51 @@ static PyObject *py_noop(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_RETURN_NONE;
 }
 
+/* coll_sums(x, dt, n, rows, with_abs, out) -> None: a collective's segment sums (coll_sums.c).
+ * The GIL stays held: this runs on the backend's thread, where giving it back means
+ * waiting for the training thread to hand it over again; the call reads tens of
+ * microseconds of data. */
+static PyObject *py_coll_sums(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "coll_sums: expected 6 arguments");
+        return NULL;
+    }
+    const void *x = P(0);
+    int dt = (int)I(1);
+    int64_t n = I(2), rows = I(3);
+    int with_abs = (int)I(4);
+    double *out = (double *)P(5);
+    if (PyErr_Occurred()) return NULL;
+    if ((dt != DT_F32 && dt != DT_BF16) || n <= 0 || rows <= 0 || !x || !out) {
+        PyErr_SetString(PyExc_ValueError, "coll_sums: bad dtype code, size or pointer");
+        return NULL;
+    }
+    vabft_coll_sums(x, dt, n, rows, with_abs, out);
+    Py_RETURN_NONE;
+}
+
+/* coll_bits(x, wide, words, rows, out) -> None: an all-gather shard's bit checksums
+ * (coll_sums.c), the GIL held as in coll_sums */
+static PyObject *py_coll_bits(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "coll_bits: expected 5 arguments");
+        return NULL;
+    }
+    const void *x = P(0);
+    int wide = (int)I(1);
+    int64_t words = I(2), rows = I(3);
+    double *out = (double *)P(4);
+    if (PyErr_Occurred()) return NULL;
+    if (words < 0 || rows <= 0 || !out || (words > 0 && !x)) {
+        PyErr_SetString(PyExc_ValueError, "coll_bits: bad size or pointer");
+        return NULL;
+    }
+    vabft_coll_bits(x, wide, words, rows, out);
+    Py_RETURN_NONE;
+}
+
 /* runtime() -> str: the path of the OpenMP runtime the kernels split work on, "" for pthreads */
 static PyObject *py_runtime(PyObject *self, PyObject *unused) {
     (void)self;
@@ -266,6 +311,8 @@ static PyMethodDef methods[] = {
     {"attn", (PyCFunction)(void (*)(void))py_attn, METH_FASTCALL, "attention screen (native_attention.py)"},
     {"attn_exp", (PyCFunction)(void (*)(void))py_attn_exp, METH_FASTCALL, "the attention kernels' exp (tests)"},
     {"attn_isa", (PyCFunction)py_attn_isa, METH_O, "the attention kernels an ISA code selects"},
+    {"coll_sums", (PyCFunction)(void (*)(void))py_coll_sums, METH_FASTCALL, "a collective's segment sums (native.py)"},
+    {"coll_bits", (PyCFunction)(void (*)(void))py_coll_bits, METH_FASTCALL, "an all-gather's bit checksums (native.py)"},
     {"runtime", (PyCFunction)(void (*)(void))py_runtime, METH_NOARGS, "the OpenMP runtime the kernels split work on"},
     {"noop", (PyCFunction)(void (*)(void))py_noop, METH_FASTCALL, "does nothing (overhead probe)"},
     {NULL, NULL, 0, NULL},

@@ -25,6 +25,7 @@
  *   check_a.c      the check's pass over A: row statistics and A Br per segment;
  *   check_sums.c   the check's segment sums of C and the bias;
  *   check.c        the check's work items, thresholds and verdicts;
+ *   coll_sums.c    a collective's checksums (the collective checks, not V-ABFT);
  *   attn*.c / .h   the fused-attention screen (attn.h maps its files; ISA chosen at run
  *                  time, not by these build flags);
  *   module.c       the CPython bindings (sdc_guard._vabft_cpu).
@@ -76,6 +77,14 @@ typedef int (*work_fn)(void *ctx, int64_t i0, int64_t i1); /* returns an AND-abl
 int vabft_parallel(work_fn fn, void *ctx, int64_t n, int threads);
 int vabft_threads(int threads, int64_t elements);
 const char *vabft_runtime(void);
+
+/* ---- a collective's checksums (coll_sums.c) ------------------------------------------- */
+
+/* per segment of 2048 elements of each of rows rows of n fp32 / bf16 elements: the even and
+ * odd sums [rows, nseg, 2] then (with_abs) the magnitudes [rows, nseg], fp64, into out */
+void vabft_coll_sums(const void *x, int dt, int64_t n, int64_t rows, int with_abs, double *out);
+/* each row's (plain, weighted) sums of its 32-bit (wide) or 16-bit words modulo 2^32, [rows, 2] fp64 */
+void vabft_coll_bits(const void *x, int wide, int64_t words, int64_t rows, double *out);
 
 /* ---- weight side (weight_side.c) ------------------------------------------------------ */
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import threading
 import types
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -38,10 +39,11 @@ from .native_call import (
     DTYPE_CODE, BufferWeightSide, Call, checksum32, encode_at, encoding_bytes, flat_args, layout, walkable,
     weight_reason, weight_side_of, ws_batch,
 )
+from ..core import collective as _collective_core
 from ..core.precision import SEGMENT
 
 __all__ = [
-    "Scratch", "available", "extension", "native_check", "native_clear", "native_weight_side", "rejects",
+    "Scratch", "available", "collective_bits_into", "collective_sums_into", "extension", "native_check", "native_clear", "native_weight_side", "rejects",
     "thread_runtime", "default_threads", "unavailable_reason",
 ]
 
@@ -252,3 +254,69 @@ def _scratch_outputs(scratch: Scratch, enc_bytes: int, segs: int, rows: int) -> 
     return p, p + enc, p + enc + 8 * segs, p + enc + 8 * segs + 12 * rows
 
 
+
+
+# --- a collective's checksums ----------------------------------------------------------
+
+#: what ``csrc/coll_sums.c`` is written for: core.collective's segment and partial widths
+_COLLECTIVE_LAYOUT = (2048, 64)
+_SUMS_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _collective_kernel(name: str) -> Any:
+    """The extension's entry point ``name``, or ``None``: an extension built before
+    ``csrc/coll_sums.c`` lacks it (the checks then use torch's checksums, not fail)."""
+    ext = extension()
+    return None if ext is None else getattr(ext, name, None)
+
+
+def _collective_output(out: Tensor, numel: int) -> bool:
+    return (out.device.type == "cpu" and out.dtype == torch.float64 and out.is_contiguous()
+            and out.numel() == numel)
+
+
+def collective_sums_into(x: Tensor, out: Tensor, *, with_abs: bool, rows: int = 1) -> bool:
+    """``core.collective.segment_sums(x, with_abs=with_abs, rows=rows)`` written into
+    ``out`` (fp64, contiguous, CPU) in one native call, laid out as the collective checks
+    send it: the even / odd sums ``[rows, segments, 2]``, then (``with_abs``) the
+    magnitudes ``[rows, segments]``. ``False`` (``out`` untouched) where the kernel does
+    not cover ``x`` (not a contiguous fp32 / bf16 CPU tensor, empty, not ``rows`` equal
+    parts, no extension): the caller then uses ``segment_sums``.
+
+    Why: one read instead of three and no torch operation, so that the receiver's
+    checksums on the backend's thread never give the GIL back mid-way (``csrc/coll_sums.c``
+    keeps it). The sums are added in another order than torch's, with fewer fp32
+    roundings; ``core.collective.reduction_bound`` covers both (csrc/coll_sums.c says why).
+    """
+    kernel = _collective_kernel("coll_sums")
+    code = _SUMS_DTYPES.get(x.dtype)
+    if kernel is None or code is None or (_collective_core.SEGMENT, _collective_core.PARTIAL) != _COLLECTIVE_LAYOUT:
+        return False
+    numel = x.numel()
+    if x.device.type != "cpu" or not x.is_contiguous() or numel == 0 or rows < 1 or numel % rows:
+        return False
+    n = numel // rows
+    segs = _collective_core.segments(n)
+    if not _collective_output(out, rows * segs * (3 if with_abs else 2)):
+        return False
+    kernel(x.data_ptr(), code, n, rows, int(with_abs), out.data_ptr())
+    return True
+
+
+def collective_bits_into(x: Tensor, wide: bool, out: Tensor, rows: int = 1) -> bool:
+    """``core.collective.bit_checksums(x, wide, rows)`` written into ``out`` (fp64 ``[rows,
+    2]``, contiguous, CPU; exact: every value is below 2^32) in one native call that keeps
+    the GIL (``collective_sums_into`` says why). ``False`` (``out`` untouched) where it
+    does not cover ``x`` (not contiguous on the CPU, words that do not split into
+    ``rows`` equal rows, no extension): the caller then uses ``bit_checksums``."""
+    kernel = _collective_kernel("coll_bits")
+    if kernel is None or _collective_core.SEGMENT != _COLLECTIVE_LAYOUT[0]:
+        return False
+    if x.device.type != "cpu" or not x.is_contiguous() or rows < 1 or not _collective_output(out, 2 * rows):
+        return False
+    word = 4 if wide or x.element_size() != 2 else 2
+    nbytes = x.numel() * x.element_size()
+    if nbytes % (word * rows):
+        return False
+    kernel(x.data_ptr(), int(word == 4), nbytes // (word * rows), rows, out.data_ptr())
+    return True

@@ -14,6 +14,14 @@ a reduction) and every rank checks what it received:
 - reduce-scatter: likewise for this rank's chunk, against the senders' chunk checksums;
 - all-gather: every shard's bits must match its sender's exactly.
 
+The checksums are one call each of the native kernel where it covers the tensor (CPU,
+fp32 / bf16 sums, any dtype's bits: ``backends/native.collective_sums_into`` and
+``collective_bits_into``), else torch's (``core/collective.py``); the verdicts are one
+vectorised pass per kind of collective (``suspects``), ``verdict`` judging a record alone
+only where that pass finds a mismatch. Why: the checks' cost was their fixed cost per
+collective (dozens of small torch operations, some on the backend's thread, where each
+gives the GIL back), not their arithmetic (issue 35; docs/PERFORMANCE.md, "Collectives").
+
 A mismatch is a ``Detection`` of kind ``"collective"``: the op, the step, the sending and
 receiving ranks, the bucket or module. It goes to the responder like a GEMM's (re-execution
 first). The exchange's header (one per rank, the step, the number of records and a digest
@@ -29,6 +37,7 @@ collectives unchecked; it never stops training.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import threading
@@ -39,8 +48,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from ...core.torch_private import disable_current_modes
+from ...core.torch_private import DisableTorchFunction, disable_current_modes
 
+from ...backends.native import collective_bits_into, collective_sums_into
 from ...core.collective import (
     bit_checksums, exchange_layout_digest, pairs_bits, reduction_flags, segment_sizes, segment_sums, segments,
 )
@@ -72,6 +82,9 @@ class Record:
     waited: bool = False  #: its caller waits on the work (FSDP2): checked in the waiting thread
     sent: Tensor | None = None  #: fp64 [slots]: this rank's part of the exchange
     received: Tensor | None = None  #: this rank's checksums of its result
+    #: fp64, where the native kernel writes the receiver's checksums (allocated with the
+    #: record, on the training thread, so that the backend's thread runs no torch op)
+    landing: Tensor | None = None
     failed: str | None = None
     seconds: float = 0.0  #: the receiver's checksums (on the backend's thread)
     landed: threading.Event = field(default_factory=threading.Event)
@@ -169,12 +182,15 @@ class CollectiveChecks:
         started = time.perf_counter()
         record = None
         try:
-            call = describe(func, args, kwargs)
-            if call is not None and call.unchecked is not None:
-                key = f"{call.op}[{call.unchecked}]"
-                self._unchecked[key] = self._unchecked.get(key, 0) + 1
-            elif call is not None:
-                record = self._record(call, phase, call_index)
+            # the checks' own tensor operations pass no function mode (the guard's
+            # GemmFunctionMode would run Python for each; they are not the model's)
+            with DisableTorchFunction():
+                call = describe(func, args, kwargs)
+                if call is not None and call.unchecked is not None:
+                    key = f"{call.op}[{call.unchecked}]"
+                    self._unchecked[key] = self._unchecked.get(key, 0) + 1
+                elif call is not None:
+                    record = self._record(call, phase, call_index)
         except Exception as exc:  # monitoring never breaks the op
             self._warn(f"collective:{type(exc).__name__}", f"sdc_guard: could not check a collective "
                        f"({type(exc).__name__}: {exc}); it runs unchecked")
@@ -202,16 +218,25 @@ class CollectiveChecks:
         record = Record(call, label, phase, call_index, slots, numel, send.dtype,
                         wide=pairs_bits(send.dtype, send.numel()), waited=waited)
         try:
-            if call.op == "all_reduce":  # [sums (segments x 2), magnitudes (segments)]
-                sums, absolute = segment_sums(send, with_abs=True)
-                sent = torch.cat([sums.reshape(-1), absolute])
-            elif call.op == "reduce_scatter":  # [sums (g x segments x 2), magnitudes (g x segments)]
-                sums, absolute = segment_sums(send, with_abs=True, rows=g)
-                sent = torch.cat([sums.reshape(-1), absolute.reshape(-1)])
+            # one native call where it covers the tensor (backends/native.py), else torch
+            native = send.device.type == "cpu"
+            if call.op in ("all_reduce", "reduce_scatter"):
+                # all-reduce: [sums (segments x 2), magnitudes (segments)]; reduce-scatter:
+                # [sums (g x segments x 2), magnitudes (g x segments)]
+                rows = g if call.op == "reduce_scatter" else 1
+                sent = torch.empty(slots, dtype=torch.float64) if native else None
+                if sent is None or not collective_sums_into(send, sent, with_abs=True, rows=rows):
+                    sums, absolute = segment_sums(send, with_abs=True, rows=rows)
+                    sent = torch.cat([sums.reshape(-1), absolute.reshape(-1)])
+                if native:
+                    record.landing = torch.empty((segments(numel), 2), dtype=torch.float64)
             else:  # [g x 2]: this rank's shard in its own row, zeros elsewhere
                 sent = torch.zeros((g, 2), dtype=torch.float64, device=send.device)
-                sent[me] = bit_checksums(send, record.wide)[0].to(torch.float64)
+                if not (native and collective_bits_into(send, record.wide, sent[me])):
+                    sent[me] = bit_checksums(send, record.wide)[0].to(torch.float64)
                 sent = sent.reshape(-1)
+                if native:
+                    record.landing = torch.empty((g, 2), dtype=torch.float64)
             assert sent.numel() == slots, (call.op, sent.numel(), slots)
             record.sent = sent
         except Exception as exc:  # monitoring never breaks the op: this rank sends NaN
@@ -223,12 +248,21 @@ class CollectiveChecks:
         ``c10d`` ops). Never raises: a failure leaves the record unchecked."""
         started = time.perf_counter()
         try:
-            with disable_current_modes():
-                flat = result.reshape(-1)
-                if record.call.op == "all_gather":
-                    record.received = bit_checksums(flat, record.wide, rows=record.call.group_size)
-                else:
-                    record.received = segment_sums(flat, with_abs=False)[0]
+            landing, op = record.landing, record.call.op
+            # the native kernel: one call, no torch op, the GIL kept (csrc/coll_sums.c)
+            with DisableTorchFunction():
+                native = landing is not None and (
+                    collective_bits_into(result, record.wide, landing, landing.shape[0]) if op == "all_gather"
+                    else collective_sums_into(result, landing, with_abs=False))
+            if native:
+                record.received = landing
+            else:
+                with disable_current_modes(), DisableTorchFunction():
+                    flat = result.reshape(-1)
+                    if op == "all_gather":
+                        record.received = bit_checksums(flat, record.wide, rows=record.call.group_size)
+                    else:
+                        record.received = segment_sums(flat, with_abs=False)[0]
         except Exception as exc:
             record.failed = f"{type(exc).__name__}: {exc}"
         finally:
@@ -260,7 +294,7 @@ class CollectiveChecks:
         self._unchecked = {}
         self.enabled = False  # a collective after the step closed (the responder's) is not the step's
         if records:
-            with disable_current_modes():
+            with disable_current_modes(), DisableTorchFunction():
                 self._finish(records)
                 by_group: dict[str, list[Record]] = {}
                 for r in records:
@@ -319,6 +353,7 @@ class CollectiveChecks:
             return
         offset = 4
         ranks = dist.get_process_group_ranks(group)
+        checked: list[tuple[Record, Tensor]] = []
         for r in records:
             block = values[offset: offset + r.slots]
             offset += r.slots
@@ -331,12 +366,75 @@ class CollectiveChecks:
                 continue
             result.checks += 1
             result.by_op[r.call.op] = result.by_op.get(r.call.op, 0) + 1
-            detection = _verdict(r, block, step, rank, ranks)
+            checked.append((r, block))
+        for r, block in suspects(checked):
+            detection = verdict(r, block, step, rank, ranks)
             if detection is not None:
                 result.detections.append(detection)
 
 
-def _verdict(r: Record, block: Tensor, step: int, rank: int, ranks: list[int]) -> Detection | None:
+def suspects(checked: list[tuple[Record, Tensor]]) -> list[tuple[Record, Tensor]]:
+    """The checked records (each with its block of the exchange) that one vectorised pass
+    cannot clear, in their order: those of every kind of collective (the all-gathers; the
+    reductions of one dtype, group size and scale) where any segment or shard mismatches,
+    or whose checksums live apart. ``verdict`` then judges each of them alone; its verdict
+    on a record the pass cleared would be None, since the pass computes the same
+    comparisons, segment by segment, only on the records' rows put end to end.
+
+    Why: the verdicts are a few dozen tensor operations each, and a step checks many
+    collectives (FSDP2: two per parameter group and step, plus the backward's
+    all-gathers); one pass per kind costs what one record did."""
+    kinds: dict[tuple[Any, ...], list[tuple[Record, Tensor]]] = {}
+    for r, block in checked:
+        call = r.call
+        key = ("all_gather",) if call.op == "all_gather" else (r.dtype, call.group_size, call.scale)
+        kinds.setdefault(key, []).append((r, block))
+    flagged: set[int] = set()
+    for key, members in kinds.items():
+        try:
+            clear = _clear(key, members)
+        except Exception:  # checksums on several devices, say: each record judged alone
+            clear = False
+        if not clear:
+            flagged.update(id(r) for r, _ in members)
+    return [(r, block) for r, block in checked if id(r) in flagged]
+
+
+def _clear(key: tuple[Any, ...], members: list[tuple[Record, Tensor]]) -> bool:
+    """Whether every record of one kind passes (``suspects``): ``verdict``'s comparisons
+    on all their rows at once. A record whose checksums have not the rows its block
+    expects is never cleared here (its rows would shift its neighbours')."""
+    rows = [r.call.group_size if r.call.op == "all_gather" else segments(r.numel) for r, _ in members]
+    if any(r.received.numel() != 2 * n for (r, _), n in zip(members, rows)):
+        return False
+    received = torch.cat([r.received.to(torch.float64).reshape(-1, 2) for r, _ in members]).cpu()
+    if key[0] == "all_gather":
+        sent = torch.cat([block for _, block in members]).view(-1, 2)
+        return not bool(((received != sent) & torch.isfinite(sent)).any())
+    dtype, g, scale = key
+    expected, magnitudes = [], []
+    for r, block in members:
+        nseg = segments(r.numel)
+        if r.call.op == "all_reduce":
+            expected.append(block[: 2 * nseg])
+            magnitudes.append(block[2 * nseg:])
+        else:
+            me = r.call.group_rank
+            expected.append(block[2 * nseg * me: 2 * nseg * (me + 1)])
+            magnitudes.append(block[2 * g * nseg + nseg * me: 2 * g * nseg + nseg * (me + 1)])
+    corrupt, _, _ = reduction_flags(received, torch.cat(expected).view(-1, 2), torch.cat(magnitudes),
+                                    _sizes(tuple(r.numel for r, _ in members)), dtype, g, scale)
+    return not bool(corrupt.any())
+
+
+@functools.lru_cache(maxsize=256)
+def _sizes(numels: tuple[int, ...]) -> Tensor:
+    """Elements per segment of collectives of ``numels`` elements, end to end (fp64, CPU;
+    read only): the same layouts come back every step."""
+    return torch.cat([segment_sizes(n) for n in numels])
+
+
+def verdict(r: Record, block: Tensor, step: int, rank: int, ranks: list[int]) -> Detection | None:
     """This rank's verdict on one collective: a detection, or None when what it received
     is what was sent. ``ranks``: the group's global ranks, by group rank."""
     call = r.call

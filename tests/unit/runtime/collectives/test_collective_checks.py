@@ -21,11 +21,15 @@ from prometheus_client import CollectorRegistry
 
 
 import sdc_guard  # noqa: E402
+from sdc_guard.backends import native  # noqa: E402
 from models import TinyGPT, lm_batch  # noqa: E402
 from sdc_guard.core.collective import (  # noqa: E402
     SEGMENT, bit_checksums, pairs_bits, reduction_bound, reduction_flags, segment_sizes, segment_sums,
 )
 from sdc_guard.metrics import GuardMetrics  # noqa: E402
+from sdc_guard.runtime.collectives.collective_checks import Record, suspects  # noqa: E402
+from sdc_guard.runtime.collectives.collective_checks import verdict as collective_verdict  # noqa: E402
+from sdc_guard.runtime.dispatch.collective_ops import Collective  # noqa: E402
 from sdc_guard.runtime.dispatch.ops import Route, route_of  # noqa: E402
 from sdc_guard.runtime.report import Detection, StepReport  # noqa: E402
 from sdc_guard.runtime.sampling import Budget, EveryN, Full, Rotating, Screened, sampler_shared  # noqa: E402
@@ -257,11 +261,25 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
-def test_a_corrupted_all_reduce_is_caught_under_protect(one_rank_group: None) -> None:
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_a_corrupted_all_reduce_is_caught_under_protect(one_rank_group: None, monkeypatch: pytest.MonkeyPatch,
+                                                        kernel: str) -> None:
     """The whole path in one process: a plain ``dist.all_reduce`` of real gradients under
     protect(), its result flipped by a drill at step 1; the step's report names the op, the
     link and the segment, the drill's stale and zero corruptions are caught too, and a
-    clean step checks the collective and finds nothing."""
+    clean step checks the collective and finds nothing; with the native checksums and
+    with torch's (where the native kernel does not cover a tensor)."""
+    import sdc_guard.runtime.collectives.collective_checks as checks
+
+    if kernel == "torch":
+        monkeypatch.setattr(checks, "collective_sums_into", lambda *args, **kwargs: False)
+        monkeypatch.setattr(checks, "collective_bits_into", lambda *args, **kwargs: False)
+    else:
+        if not native.available():
+            pytest.skip(native.unavailable_reason())
+        calls = []
+        real = checks.collective_sums_into
+        monkeypatch.setattr(checks, "collective_sums_into", lambda *a, **k: calls.append(k) or real(*a, **k))
     model = torch.nn.Linear(4, 4)
     grads = _gradients(1)[0][: 3 * SEGMENT]
     faults = [sdc_guard.CollectiveFault(op="all_reduce", step=1, element=SEGMENT + 5, bit=30),
@@ -281,6 +299,8 @@ def test_a_corrupted_all_reduce_is_caught_under_protect(one_rank_group: None) ->
         [("collective", "all_reduce", [0], 0, [0, 1, 2])]]
     assert [i.corruption for i in drill.injections] == ["flip", "zero", "stale"]
     assert reports[1].flagged == 1 and reports[0].flagged == 0
+    if kernel == "native":  # the sender's and the receiver's checksums, every step
+        assert [k["with_abs"] for k in calls] == [True, False] * 4
 
 
 def test_no_collective_is_checked_without_a_process_group() -> None:
@@ -310,17 +330,23 @@ def test_a_sampler_whose_schedule_differs_between_ranks_leaves_the_collectives_u
     assert guard.last_report.collective_checks == 0 and not guard.last_report.collectives_unchecked
 
 
+@pytest.mark.parametrize("kernel", ["native", "torch"])
 def test_a_failing_check_warns_once_and_leaves_the_collective_alone(one_rank_group: None,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """A monitoring failure (here: the sender's checksums raise) never breaks the
-    collective or stops training: the all-reduce gives its result, the check is counted as
-    failed, one warning says why."""
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   kernel: str) -> None:
+    """A monitoring failure (here: the sender's checksums raise, in the native kernel or,
+    without it, in torch's) never breaks the collective or stops training: the all-reduce
+    gives its result, the check is counted as failed, one warning says why."""
     import sdc_guard.runtime.collectives.collective_checks as checks
 
     def broken(*args, **kwargs):
         raise RuntimeError("checksum kernel unavailable")
 
-    monkeypatch.setattr(checks, "segment_sums", broken)
+    if kernel == "native":
+        monkeypatch.setattr(checks, "collective_sums_into", broken)
+    else:  # no native kernel: torch's sums
+        monkeypatch.setattr(checks, "collective_sums_into", lambda *args, **kwargs: False)
+        monkeypatch.setattr(checks, "segment_sums", broken)
     model = torch.nn.Linear(4, 4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -334,3 +360,213 @@ def test_a_failing_check_warns_once_and_leaves_the_collective_alone(one_rank_gro
             assert guard.last_report.detections == []
     said = [str(w.message) for w in caught if "checksum kernel unavailable" in str(w.message)]
     assert len(said) == 1, said
+
+
+# --- the native checksums (csrc/coll_sums.c) and the vectorised verdicts ----------------
+
+
+def _native_sums(x: torch.Tensor, *, with_abs: bool, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``segment_sums`` through the native kernel, shaped as ``segment_sums`` returns it."""
+    n = x.numel() // rows
+    segs = -(-n // SEGMENT)
+    out = torch.full((rows * segs * (3 if with_abs else 2),), math.nan, dtype=torch.float64)
+    assert native.collective_sums_into(x, out, with_abs=with_abs, rows=rows)
+    sums = out[: 2 * rows * segs].view(rows, segs, 2)
+    mags = out[2 * rows * segs:].view(rows, segs) if with_abs else None
+    return (sums[0], None if mags is None else mags[0]) if rows == 1 else (sums, mags)
+
+
+needs_native = pytest.mark.skipif(not native.available(), reason=str(native.unavailable_reason()))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("ranks", [2, 8])
+@pytest.mark.parametrize("average", [False, True], ids=["sum", "avg"])
+def test_native_sums_stay_within_the_bound_and_catch_a_wrong_element(dtype: torch.dtype, ranks: int,
+                                                                     average: bool) -> None:
+    """The native kernel adds in another order than torch (csrc/coll_sums.c): its sums agree
+    with torch's to their rounding, a correct reduction of real gradients stays within the
+    bound whichever kernel the senders and the receiver used, and a wrong element is
+    still caught in its segment."""
+    xs = [x.to(dtype) for x in _gradients(ranks)]
+    result = _reduce(xs, list(reversed(range(ranks))), average)
+    for x in xs[:2]:
+        (s, a), (ns, na) = segment_sums(x, with_abs=True), _native_sums(x, with_abs=True)
+        assert s.shape == ns.shape and a.shape == na.shape
+        assert float((s - ns).abs().max()) <= 64 * 2.0 ** -24 * float(a.max())
+        assert float((a - na).abs().max()) <= 64 * 2.0 ** -24 * float(a.max())
+    sizes, scale = segment_sizes(result.numel()), ranks if average else 1
+    mixes = [(_native_sums, _native_sums), (_native_sums, segment_sums), (segment_sums, _native_sums)]
+    for senders, receiver in mixes:
+        sent = [senders(x, with_abs=True) for x in xs]
+        expected, magnitudes = sum(s for s, _ in sent), sum(a for _, a in sent)
+        corrupt, _, ratio = reduction_flags(receiver(result, with_abs=False)[0], expected, magnitudes, sizes,
+                                            dtype, ranks, scale)
+        assert not corrupt.any() and float(ratio.max()) < 1, (senders, receiver)
+        wrong = result.clone()
+        i = SEGMENT + 17
+        wrong[i] = wrong[i] + 400.0 * float(result.abs().double().mean())
+        corrupt, _, _ = reduction_flags(receiver(wrong, with_abs=False)[0], expected, magnitudes, sizes, dtype,
+                                        ranks, scale)
+        assert corrupt.nonzero().flatten().tolist() == [1], (senders, receiver)
+
+
+@needs_native
+def test_native_sums_of_rows_short_tails_and_adversarial_cancellation() -> None:
+    """A reduce-scatter's rows, segments cut short, single elements, and the cancellation
+    of ``test_the_bound_holds_under_cancellation``: native and torch agree, and the
+    bound holds with the native sums."""
+    gen = torch.Generator().manual_seed(5)
+    for n in (1, 2, 3, SEGMENT - 1, SEGMENT, SEGMENT + 1, 3 * SEGMENT + 5):
+        for rows in (1, 2, 4):
+            x = torch.randn(n * rows, generator=gen) * 100
+            (s, a), (ns, na) = segment_sums(x, with_abs=True, rows=rows), _native_sums(x, with_abs=True, rows=rows)
+            assert s.shape == ns.shape and a.shape == na.shape, (n, rows)
+            assert torch.allclose(s, ns, rtol=0, atol=1e-5 * float(a.max())) and torch.allclose(a, na, rtol=1e-6)
+    x = torch.randn(3 * SEGMENT + 5, generator=gen) * 1e3
+    xs = [x, -(x * (1 - 2.0 ** -22))]
+    sent = [_native_sums(v, with_abs=True) for v in xs]
+    corrupt, _, ratio = reduction_flags(_native_sums(xs[0] + xs[1], with_abs=False)[0], sent[0][0] + sent[1][0],
+                                        sent[0][1] + sent[1][1], segment_sizes(x.numel()), torch.float32, 2, 1)
+    assert not corrupt.any() and float(ratio.max()) < 1
+
+
+@needs_native
+def test_native_kernels_decline_what_they_do_not_cover() -> None:
+    """``False`` and the output untouched, so that the caller takes torch's path: fp16 and
+    fp64 sums, a strided tensor, an empty one, rows that do not divide it, an output of
+    the wrong size or dtype."""
+    out = torch.full((30,), 7.0, dtype=torch.float64)
+    x = torch.randn(2 * SEGMENT)
+    assert not native.collective_sums_into(x.half(), out[:6], with_abs=True)
+    assert not native.collective_sums_into(x.double(), out[:3], with_abs=True)
+    assert not native.collective_sums_into(x[::2], out[:3], with_abs=True)
+    assert not native.collective_sums_into(x[:0], out[:3], with_abs=True)
+    assert not native.collective_sums_into(x[:5], out[:6], with_abs=True, rows=2)
+    assert not native.collective_sums_into(x, out[:5], with_abs=True)
+    assert not native.collective_sums_into(x, out[:6].float(), with_abs=True)
+    assert not native.collective_bits_into(x[::2], True, out[:2])
+    assert not native.collective_bits_into(x[:3], True, out[:4], rows=2)
+    assert bool((out == 7.0).all())
+
+
+def test_an_extension_built_before_the_collective_kernels_falls_back_to_torch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An extension without ``coll_sums`` / ``coll_bits`` (built before them) declines,
+    so that the checks take torch's checksums instead of failing."""
+    import types
+
+    stale = types.SimpleNamespace(check=None)  # an extension of an older build
+    monkeypatch.setattr(native, "extension", lambda: stale)
+    out = torch.empty(3, dtype=torch.float64)
+    assert not native.collective_sums_into(torch.randn(SEGMENT), out, with_abs=True)
+    assert not native.collective_bits_into(torch.randn(SEGMENT), True, out[:2])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64], ids=str)
+def test_native_bit_checksums_equal_torch_exactly(dtype: torch.dtype) -> None:
+    """Integer sums: the native kernel's numbers are torch's bit for bit, for every dtype,
+    pairs of 2-byte elements and single ones (sign-extended 16-bit words), shards at odd
+    offsets, one row or an all-gather's rows."""
+    gen = torch.Generator().manual_seed(7)
+    base = (torch.randn(7 * SEGMENT + 20, generator=gen) * 1e4).to(dtype)
+    for n in (0, 1, 2, 7, SEGMENT, SEGMENT + 1, 2 * SEGMENT + 3):
+        for rows in (1, 2, 3):
+            for start in (0, 1):
+                x = base[start: start + n * rows]
+                wide = pairs_bits(dtype, n)
+                out = torch.empty(rows, 2, dtype=torch.float64)
+                assert native.collective_bits_into(x, wide, out, rows=rows), (n, rows, start)
+                assert torch.equal(out.to(torch.int64), bit_checksums(x, wide, rows=rows)), (n, rows, start)
+
+
+class _Group:
+    """A process group's size and this rank's place in it: what a record reads."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def _records(g: int = 2) -> list[tuple[Record, torch.Tensor]]:
+    """Clean checked records of every kind as one rank holds them, each with its block of
+    the exchange (what every rank sent, added): two all-reduces (one averaged), a
+    reduce-scatter, two all-gathers, from real gradients."""
+    xs = [x.to(torch.float32) for x in _gradients(g)]
+    me, group = 0, _Group(g, 0)
+    out = []
+    for numel, average in ((3 * SEGMENT + 11, False), (SEGMENT, True)):
+        parts = [x[:numel] for x in xs]
+        sent = [segment_sums(p, with_abs=True) for p in parts]
+        block = torch.cat([sum(s for s, _ in sent).reshape(-1), sum(a for _, a in sent)])
+        result = _reduce(parts, list(range(g)), average)
+        call = Collective("all_reduce", parts[me], result, group, g if average else 1)
+        record = Record(call, "bucket", "backward", 0, block.numel(), numel, torch.float32)
+        record.received = segment_sums(result, with_abs=False)[0]
+        out.append((record, block))
+    numel = 2 * SEGMENT + 6  # reduce-scatter: each rank gets one chunk of numel
+    parts = [x[: g * numel] for x in xs]
+    sent = [segment_sums(p, with_abs=True, rows=g) for p in parts]
+    block = torch.cat([sum(s for s, _ in sent).reshape(-1), sum(a for _, a in sent).reshape(-1)])
+    result = _reduce(parts, list(range(g)), False).view(g, numel)[me]
+    record = Record(Collective("reduce_scatter", parts[me], result, group), "block", "backward", 0,
+                    block.numel(), numel, torch.float32)
+    record.received = segment_sums(result, with_abs=False)[0]
+    out.append((record, block))
+    for numel in (SEGMENT + 3, 10):
+        shards = [x[:numel] for x in xs]
+        block = torch.cat([bit_checksums(s, True)[0].to(torch.float64) for s in shards])
+        gathered = torch.cat(shards)
+        record = Record(Collective("all_gather", shards[me], gathered, group), "block", "forward", 0,
+                        2 * g, numel * g, torch.float32)
+        record.received = bit_checksums(gathered, True, rows=g)
+        out.append((record, block))
+    return out
+
+
+def test_one_vectorised_pass_clears_clean_records_and_leaves_every_suspect_to_its_verdict() -> None:
+    """``suspects``: every clean record of the step is cleared at once (no verdict to run),
+    and a wrong segment or shard in any one record sends all records of its kind, and only
+    them, to ``verdict``, which finds the one that is wrong."""
+    clean = _records()
+    assert suspects(clean) == []
+    assert all(collective_verdict(r, block, 1, 0, [0, 1]) is None for r, block in clean)
+    for k in range(len(clean)):
+        records = _records()
+        r, block = records[k]
+        if r.call.op == "all_gather":
+            r.received = r.received.clone()
+            r.received[1, 0] += 1
+        else:
+            r.received = r.received.clone()
+            r.received[-1, 1] += 1.0
+        found = suspects(records)
+        same_kind = [id(s) for s, _ in records if (s.call.op == "all_gather") == (r.call.op == "all_gather")
+                     and s.call.scale == r.call.scale]
+        assert id(r) in same_kind and [id(s) for s, _ in found] == same_kind, k
+        verdicts = [(s, collective_verdict(s, b, 1, 0, [0, 1])) for s, b in found]
+        assert [id(s) for s, d in verdicts if d is not None] == [id(r)], k
+
+
+def test_records_that_cannot_be_compared_at_once_go_to_their_own_verdicts() -> None:
+    """A failure of the vectorised pass (checksums it cannot put end to end) leaves the
+    records to ``_verdict`` one by one, never cleared unseen."""
+    records = _records()
+    records[0][0].received = torch.zeros(3)  # not [segments, 2]: the pass cannot use it
+    found = [id(r) for r, _ in suspects(records)]
+    assert id(records[0][0]) in found and id(records[3][0]) not in found
+    # rows that would still line up end to end: one record a segment short, the next one
+    # a segment long (each clean up to then); the pass must not compare them shifted
+    records = _records()
+    first, second = records[0][0], records[2][0]  # an all-reduce and the reduce-scatter, one kind
+    second.received = torch.cat([first.received[-1:], second.received])
+    first.received = first.received[:-1]
+    found = [id(r) for r, _ in suspects(records)]
+    assert id(first) in found and id(second) in found
