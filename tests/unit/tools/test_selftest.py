@@ -5,10 +5,13 @@ fails it, naming the backend; the per-host score over repeated runs."""
 
 import contextlib
 import io
+import itertools
 import json
 import os
 import subprocess
 import sys
+import time
+import types
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ import torch
 
 import sdc_guard
 from sdc_guard.backends import native
+from sdc_guard.tools import selftest as selftest_module
 from sdc_guard.tools.cli import main
 from sdc_guard.tools.selftest_cases import SHAPES, known_attention
 
@@ -103,8 +107,13 @@ def test_burn_repeats_rounds_and_the_history_scores_each_host(tmp_path: Path, mo
     history = tmp_path / "nodes" / "selftest.jsonl"  # its folder is made
     monkeypatch.setenv("SDC_GUARD_NODE", "gpu-node-3")
     args = ("--backend", "torch", "--shapes", "small", "--dtype", "float32", "--history", str(history))
-    code, first = selftest(*args, "--burn", "0.2")
-    assert code == 0 and first["rounds"] >= 2 and all(r["runs"] == first["rounds"] for r in first["results"])
+    # the burn's clock ticks 0.1 s per reading, whatever the machine's speed or load: a
+    # 0.25 s burn reads it at the start and after each round, so it runs exactly 3 rounds
+    ticks = itertools.count()
+    monkeypatch.setattr(selftest_module, "time", types.SimpleNamespace(monotonic=lambda: 0.1 * next(ticks),
+                                                                       time=time.time))
+    code, first = selftest(*args, "--burn", "0.25")
+    assert code == 0 and first["rounds"] == 3 and all(r["runs"] == 3 for r in first["results"])
     assert first["score"] == {"host": "gpu-node-3", "window": 20, "runs": 1, "passed": 1, "failed": 0,
                               "pass_rate": 1.0, "consecutive_passes": 1, "last_failure": None}
     with sdc_guard.drill(torch.nn.Module(), sdc_guard.GemmFault(site="global", op="bmm", sticky=True, bit=0)):
