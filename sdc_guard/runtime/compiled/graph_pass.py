@@ -41,7 +41,7 @@ from torch import fx
 from ...core.torch_private import HigherOrderOperator, OpOverload
 
 from .graph_checks import CheckSink, module_path
-from .graph_ops import Unsupported, encode_call, overload_name
+from .graph_ops import Unsupported, encode_call, encode_node, overload_name
 from ..dispatch.intercept import GLOBAL_SITE
 from ..dispatch.ops import Route, route_of
 
@@ -107,19 +107,20 @@ class _Instrumenter:
             return 1
         if route not in (Route.GEMM, Route.ATTENTION):
             return 0
-        try:
-            spec, tensors = encode_call(node.args, node.kwargs, _is_tensor)
-        except Unsupported:  # an argument no literal holds (a symbolic size): counted
-            self._note(graph, node, str(op.overloadpacket))
-            return 1
-        outputs = self._outputs(graph, node)
         site = self._site(node)
         candidates = self._anchors_of(node)
         if route is Route.GEMM:
             candidates += [a for a in anchors.get(node.meta.get("seq_nr"), []) if a not in candidates]
+        try:
+            encode_call(node.args, node.kwargs, _is_tensor)
+        except Unsupported:  # an argument no literal holds (a symbolic size): counted
+            self._note(graph, node, str(op.overloadpacket))
+            return 1
+        outputs = self._outputs(graph, node)
+        args, _ = encode_node(overload_name(op), node.args, node.kwargs, outputs if outputs else [node], candidates,
+                              site, self.fallback, _is_tensor)
         with graph.inserting_after(_last_of(node, [o for o in outputs if o is not None])):
-            check = graph.call_function(CHECK_NODE, (
-                overload_name(op), tensors, spec, outputs if outputs else [node], candidates, site, self.fallback))
+            check = graph.call_function(CHECK_NODE, args)
         check.meta["sdc_guard"] = "check"
         return 1
 
