@@ -131,22 +131,18 @@ def encode_node(op: str, args: tuple, kwargs: dict, outputs: list[Any], anchors:
 class NodePlan:
     """What a ``check_node`` needs that its constant arguments determine, worked out once
     per process for each distinct node (``node_plan``), not once per call: the overload
-    and its route, the handler, how the call is rebuilt from the node's tensors, where
-    its outputs and anchors are among them, its site and fallback."""
+    and its route, how the call is rebuilt from the node's tensors, where its outputs and
+    anchors are among them, its site and fallback. The handler is looked up per call, in
+    the registry as it is then (``ops.GEMM_HANDLERS``, ``attention.ATTENTION_HANDLERS``)."""
 
-    __slots__ = ("func", "route", "handler", "packet", "spec", "positions", "n_in", "n_out", "site", "fallback")
+    __slots__ = ("func", "route", "packet", "default", "spec", "positions", "n_in", "n_out", "site", "fallback")
 
     def __init__(self, op: str, plan: str) -> None:
         spec, n_in, n_out, site, fallback = ast.literal_eval(plan)
         self.func = func = overload(op)
-        self.route = route = route_of(func)
+        self.route = route_of(func)
         self.packet = func.overloadpacket
-        if route is Route.GEMM:
-            self.handler = GEMM_HANDLERS.get(self.packet)
-        elif route is Route.ATTENTION and func is self.packet.default:
-            self.handler = ATTENTION_HANDLERS.get(self.packet)
-        else:
-            self.handler = None
+        self.default = func is self.packet.default  #: attention handlers know default overloads only
         self.spec = spec
         self.positions = _positions(spec)
         self.n_in, self.n_out, self.site, self.fallback = n_in, n_out, site, fallback
@@ -196,8 +192,8 @@ def check_node(op: str, tensors: list[Optional[Tensor]], plan: str) -> None:
         args, kwargs, out, anchors = node.call(tensors)
         site = resolve_site(node.site, anchors) or node.fallback
         phase = current_phase()
-        handler = node.handler
         if node.route is Route.GEMM:
+            handler = GEMM_HANDLERS.get(node.packet)
             gemm = handler(args, kwargs, out) if handler is not None else None
             if not isinstance(gemm, Gemm):
                 sink.on_unverified(str(node.packet))
@@ -207,7 +203,8 @@ def check_node(op: str, tensors: list[Optional[Tensor]], plan: str) -> None:
             sink.charge(time.perf_counter() - started)  # what on_gemm does not time itself
             sink.on_gemm(gemm, site or None, phase)
         elif node.route is Route.ATTENTION:
-            call = handler(args, kwargs, out) if handler is not None else None
+            handler = ATTENTION_HANDLERS.get(node.packet)
+            call = handler(args, kwargs, out) if handler is not None and node.default else None
             if not isinstance(call, AttentionCall):
                 sink.on_unverified(str(node.packet))
                 return
