@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from ...core.torch_private import OpOverload
+
 from .function_attention import route_sdpa
 from .function_gemm import (
     CheckedGemm, autocast_cast, autocast_dtype, in_checkpoint_forward, linear_call, parameter_of, tapped,
@@ -231,8 +233,16 @@ class GemmFunctionMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling() or not self.compiled:  # in this order: dynamo reads no attribute
             return func(*args, **kwargs)
+        # What compiled code calls at run time passes first, looked up no further (a few
+        # hundred calls a step, each a GEMM's check or kernel): an aten overload (an
+        # ``aot_eager`` graph's op, a check op: no route or count is keyed by one) and a
+        # call with ``out=`` (inductor's extern GEMM kernels, which ``_unrouted`` passes).
+        if type(func) is OpOverload:
+            return func(*args, **kwargs)
         route = ROUTES.get(func)
         if route is not None:
+            if "out" in kwargs:
+                return func(*args, **kwargs)
             return route(func, args, kwargs)
         name = UNVERIFIED_FUNCTIONS.get(func)
         if name is not None:

@@ -18,6 +18,7 @@ a graph break failed). Their order in a graph is their data's.
 
 from __future__ import annotations
 
+import itertools
 import re
 import threading
 from typing import Any, Callable, Protocol
@@ -89,26 +90,24 @@ def run_drills(op: str, out: Any, site: str, phase: str) -> None:
         drill(op, out, site, phase)
 
 
-class _Count:
-    """Checks run so far in this process, every thread and device (``checks_run``)."""
-
-    def __init__(self) -> None:
-        self.value = 0
-        self.lock = threading.Lock()  # backward checks may run on autograd's worker threads
-
-
-_count = _Count()
+#: checks run so far in this process, every thread and device (``checks_run``): an
+#: ``itertools.count``, whose ``next`` is one atomic step of C (backward checks may run on
+#: autograd's worker threads) where a lock cost a ``with`` block per check
+_count = itertools.count()
+_read = itertools.count()  #: how many times ``checks_run`` advanced ``_count`` to read it
+_read_lock = threading.Lock()  #: one reader at a time (the counts run on without it)
 
 
 def count_check() -> None:
     """Count one check run (called by a check op's body)."""
-    with _count.lock:
-        _count.value += 1
+    next(_count)
 
 
 def checks_run() -> int:
-    """Checks the check ops have run in this process (the in-graph checks ran: tests)."""
-    return _count.value
+    """Checks the check ops have run in this process (the in-graph checks ran: tests).
+    Read by advancing the count once more, which ``_read`` takes back off."""
+    with _read_lock:
+        return next(_count) - next(_read)
 
 
 def keep_in_graph(op: Any) -> None:

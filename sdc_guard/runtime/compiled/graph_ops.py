@@ -36,7 +36,9 @@ from torch import Tensor
 
 from ...core.torch_private import DisableTorchFunction
 from ..dispatch.attention import ATTENTION_HANDLERS, AttentionCall, BACKWARD_OP
-from .graph_checks import CheckSink, check_op, count_check, current_sink, resolve_site, run_drills, running_op
+from .graph_checks import (
+    CheckSink, active_drills, check_op, count_check, current_sink, resolve_site, run_drills, running_op,
+)
 from ..dispatch.intercept import current_phase
 from ..dispatch.ops import GEMM_HANDLERS, Gemm, Route, RoutingMode, route_of
 
@@ -105,7 +107,7 @@ def decode_call(spec: str, tensors: list[Optional[Tensor]]) -> tuple[tuple, dict
     """The ``(args, kwargs)`` that ``spec`` and ``tensors`` describe (``encode_call``'s inverse)."""
     positions = _positions(spec)
     if positions is not None:
-        return tuple(tensors[i] for i in positions), {}
+        return tuple([tensors[i] for i in positions]), {}
     args, kwargs = _template(spec)
     return _fill(args, tensors), _fill(kwargs, tensors)
 
@@ -122,48 +124,97 @@ def overload_name(op: Any) -> str:
     return f"{op.namespace}.{op._schema.name.split('::')[-1]}.{op._overloadname}"
 
 
-@functools.lru_cache(maxsize=None)
-def _plan(op: str) -> tuple[Any, Route]:
-    """The overload named ``op`` and its route (looked up once per op)."""
-    func = overload(op)
-    return func, route_of(func)
+def encode_node(op: str, args: tuple, kwargs: dict, outputs: list[Any], anchors: list[Any], site: str,
+                fallback: str, is_tensor: Callable[[Any], bool]) -> tuple[tuple, dict]:
+    """The arguments of the ``check_node`` that checks the call ``op(*args, **kwargs)``
+    (see ``check_node``): ``(op, tensors, plan)``, where ``tensors`` is the call's tensors,
+    then its ``outputs``, then the ``anchors``, and ``plan`` the literal that says which
+    is which, with the call's ``spec``, the ``site`` and the ``fallback``. Raises
+    ``Unsupported`` where ``encode_call`` does."""
+    spec, tensors = encode_call(args, kwargs, is_tensor)
+    plan = repr((spec, len(tensors), len(outputs), site, fallback))
+    return (op, [*tensors, *outputs, *anchors], plan), {}
 
 
-@check_op("check_node(str op, Tensor?[] tensors, str spec, Tensor?[] outputs, Tensor[] anchors, str site, "
-          "str fallback) -> ()")
-def check_node(op: str, tensors: list[Optional[Tensor]], spec: str, outputs: list[Optional[Tensor]],
-               anchors: list[Tensor], site: str, fallback: str) -> None:
-    """Verify the aten call ``op`` made with the arguments ``spec`` and ``tensors`` describe
-    and that returned ``outputs`` (one tensor, or the elements of a tuple; ``None`` for
-    one the graph does not keep), with this thread's guard. ``site``: the module the graph
-    names for it (``""``: none; the module owning the first of ``anchors`` that is a
-    parameter, the one it multiplies by, names it at run time, else ``fallback``). The
-    phase is the run's: ``backward`` inside autograd's backward (recomputations included),
-    else ``forward``. Reads its tensors, writes none of them; its own time is charged to
-    the guard (``Guard.charge``), as the time of the verification it runs is."""
+class NodePlan:
+    """What a ``check_node`` needs that its constant arguments determine, worked out once
+    per process for each distinct node (``node_plan``), not once per call: the overload
+    and its route, how the call is rebuilt from the node's tensors, where its outputs and
+    anchors are among them, its site and fallback. The handler is looked up per call, in
+    the registry as it is then (``ops.GEMM_HANDLERS``, ``attention.ATTENTION_HANDLERS``)."""
+
+    __slots__ = ("func", "route", "packet", "default", "spec", "positions", "n_in", "n_out", "site", "fallback")
+
+    def __init__(self, op: str, plan: str) -> None:
+        spec, n_in, n_out, site, fallback = ast.literal_eval(plan)
+        self.func = func = overload(op)
+        self.route = route_of(func)
+        self.packet = func.overloadpacket
+        self.default = func is self.packet.default  #: attention handlers know default overloads only
+        self.spec = spec
+        self.positions = _positions(spec)
+        self.n_in, self.n_out, self.site, self.fallback = n_in, n_out, site, fallback
+
+    def call(self, tensors: list[Optional[Tensor]]) -> tuple[tuple, dict, Any, list[Tensor]]:
+        """``(args, kwargs, out, anchors)`` of one run of the node (``tensors``: its tensors)."""
+        n_in, n_out = self.n_in, self.n_out
+        positions = self.positions
+        if positions is not None:
+            args: tuple = tuple([tensors[i] for i in positions])
+            kwargs: dict = {}
+        else:
+            inputs = tensors[:n_in]
+            template_args, template_kwargs = _template(self.spec)
+            args, kwargs = _fill(template_args, inputs), _fill(template_kwargs, inputs)
+        out = tensors[n_in] if n_out == 1 else tuple(tensors[n_in:n_in + n_out])
+        return args, kwargs, out, tensors[n_in + n_out:]  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=4096)
+def node_plan(op: str, plan: str) -> NodePlan:
+    """The ``NodePlan`` of a node with these constant arguments (made on its first run)."""
+    return NodePlan(op, plan)
+
+
+@check_op("check_node(str op, Tensor?[] tensors, str plan) -> ()")
+def check_node(op: str, tensors: list[Optional[Tensor]], plan: str) -> None:
+    """Verify the aten call ``op`` a graph node made, with this thread's guard.
+    ``tensors``: the tensors of the call's arguments, then what it returned (one tensor,
+    or the elements of a tuple; ``None`` for one the graph does not keep), then its
+    anchors; ``plan`` (``encode_node``): where each tensor goes among the call's
+    arguments (the other arguments as literals), how many outputs and anchors there are,
+    the site and the fallback site. ``site``: the module the graph names for the call
+    (``""``: none; the module owning the first anchor that is a parameter, the one it
+    multiplies by, names it at run time, else ``fallback``). One tensor list and one
+    string, not seven arguments: the dispatcher converts every argument of every call, and
+    the plan is decoded once per node (``node_plan``). The phase is the run's:
+    ``backward`` inside autograd's backward (recomputations included), else ``forward``.
+    Reads its tensors, writes none of them; its own time is charged to the guard
+    (``Guard.charge``), as the time of the verification it runs is."""
     sink = current_sink()
     if sink is None:  # a graph compiled inside protect() and run outside it: nothing to do
         return
     started = time.perf_counter()
     with DisableTorchFunction():  # verification's own ops are not the model's
-        func, route = _plan(op)
-        args, kwargs = decode_call(spec, tensors)
-        out: Any = outputs[0] if len(outputs) == 1 else tuple(outputs)
-        site = resolve_site(site, anchors) or fallback
+        node = node_plan(op, plan)
+        args, kwargs, out, anchors = node.call(tensors)
+        site = resolve_site(node.site, anchors) or node.fallback
         phase = current_phase()
-        if route is Route.GEMM:
-            gemm = GEMM_HANDLERS[func.overloadpacket](args, kwargs, out)
+        if node.route is Route.GEMM:
+            handler = GEMM_HANDLERS.get(node.packet)
+            gemm = handler(args, kwargs, out) if handler is not None else None
             if not isinstance(gemm, Gemm):
-                sink.on_unverified(str(func.overloadpacket))
+                sink.on_unverified(str(node.packet))
                 return
-            run_drills(gemm.op, gemm.out, site, phase)
+            if active_drills():
+                run_drills(gemm.op, gemm.out, site, phase)
             sink.charge(time.perf_counter() - started)  # what on_gemm does not time itself
             sink.on_gemm(gemm, site or None, phase)
-        elif route is Route.ATTENTION:
-            handler = ATTENTION_HANDLERS.get(func.overloadpacket)
-            call = handler(args, kwargs, out) if handler is not None and func is func.overloadpacket.default else None
+        elif node.route is Route.ATTENTION:
+            handler = ATTENTION_HANDLERS.get(node.packet)
+            call = handler(args, kwargs, out) if handler is not None and node.default else None
             if not isinstance(call, AttentionCall):
-                sink.on_unverified(str(func.overloadpacket))
+                sink.on_unverified(str(node.packet))
                 return
             if call.op == BACKWARD_OP and call.grads is not None:
                 run_drills(call.op, call.grads, site, phase)

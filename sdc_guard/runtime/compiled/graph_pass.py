@@ -47,7 +47,7 @@ from torch import fx
 from ...core.torch_private import HigherOrderOperator, OpOverload
 
 from .graph_checks import CheckSink, module_path
-from .graph_ops import Unsupported, encode_call, overload_name, run_hop_checked
+from .graph_ops import Unsupported, encode_call, encode_node, overload_name, run_hop_checked
 from ..dispatch.intercept import GLOBAL_SITE
 from ..dispatch.ops import Route, route_of
 
@@ -130,9 +130,10 @@ class _Instrumenter:
         if route is Route.REDISPATCH:
             return self._run_checked(graph, node, op, tensors, spec, candidates, site)
         outputs = self._outputs(graph, node)
+        args, _ = encode_node(overload_name(op), node.args, node.kwargs, outputs if outputs else [node], candidates,
+                              site, self.fallback, _is_tensor)
         with graph.inserting_after(_last_of(node, [o for o in outputs if o is not None])):
-            check = graph.call_function(CHECK_NODE, (
-                overload_name(op), tensors, spec, outputs if outputs else [node], candidates, site, self.fallback))
+            check = graph.call_function(CHECK_NODE, args)
         check.meta["sdc_guard"] = "check"
         return 1
 
