@@ -176,6 +176,22 @@ def node_plan(op: str, plan: str) -> NodePlan:
     return NodePlan(op, plan)
 
 
+def hand_gemm(sink: CheckSink, packet: Any, gemm: Any, site: str, phase: str, started: float) -> bool:
+    """Hand the GEMM a handler described (``gemm``) to the drills, then to ``sink`` at
+    ``site`` in ``phase``, charging the time since ``started`` that ``on_gemm`` does not
+    time itself; where the handler described none (a layout it does not cover), count
+    ``packet`` as unverified. Whether it was handed on. One path for ``check_node`` and
+    ``InnerGemms``, so that a compiled GEMM is handed on as an eager one is."""
+    if not isinstance(gemm, Gemm):
+        sink.on_unverified(str(packet))
+        return False
+    if active_drills():
+        run_drills(gemm.op, gemm.out, site, phase)
+    sink.charge(time.perf_counter() - started)
+    sink.on_gemm(gemm, site or None, phase)
+    return True
+
+
 @check_op("check_node(str op, Tensor?[] tensors, str plan) -> ()")
 def check_node(op: str, tensors: list[Optional[Tensor]], plan: str) -> None:
     """Verify the aten call ``op`` a graph node made, with this thread's guard.
@@ -202,14 +218,9 @@ def check_node(op: str, tensors: list[Optional[Tensor]], plan: str) -> None:
         phase = current_phase()
         if node.route is Route.GEMM:
             handler = GEMM_HANDLERS.get(node.packet)
-            gemm = handler(args, kwargs, out) if handler is not None else None
-            if not isinstance(gemm, Gemm):
-                sink.on_unverified(str(node.packet))
+            if not hand_gemm(sink, node.packet, handler(args, kwargs, out) if handler is not None else None,
+                             site, phase, started):
                 return
-            if active_drills():
-                run_drills(gemm.op, gemm.out, site, phase)
-            sink.charge(time.perf_counter() - started)  # what on_gemm does not time itself
-            sink.on_gemm(gemm, site or None, phase)
         elif node.route is Route.ATTENTION:
             handler = ATTENTION_HANDLERS.get(node.packet)
             call = handler(args, kwargs, out) if handler is not None and node.default else None
@@ -243,13 +254,8 @@ class InnerGemms(RoutingMode):
         started = time.perf_counter()
         if route is Route.GEMM:
             gemm = GEMM_HANDLERS[func.overloadpacket](args, kwargs, out)
-            if not isinstance(gemm, Gemm):
-                self.sink.on_unverified(str(func.overloadpacket))
-                return
-            run_drills(gemm.op, gemm.out, self.site, self.phase)
-            self.sink.charge(time.perf_counter() - started)
-            self.sink.on_gemm(gemm, self.site or None, self.phase)
-            count_check()
+            if hand_gemm(self.sink, func.overloadpacket, gemm, self.site, self.phase, started):
+                count_check()
         elif route in (Route.UNVERIFIED, Route.ATTENTION):
             self.sink.on_unverified(str(func.overloadpacket))
 
