@@ -178,6 +178,7 @@ def test_compiled_model_with_sdpa_reports_like_eager():
         {s for s in eager.ledger.sites_seen if s[2].startswith("sdpa")}  # the module that called SDPA
 
 
+@pytest.mark.corpus  # inductor compiles C++ (about 20 s): CONTRIBUTING.md
 @pytest.mark.slow  # inductor compiles C++: see CONTRIBUTING.md
 def test_the_attention_checks_are_nodes_of_the_forward_and_backward_graphs():
     """The checks are put into the graphs AOT autograd partitions, on the fused attention
@@ -310,6 +311,7 @@ def test_a_math_kernel_is_verified_as_its_gemms():
     assert (r.seen, r.verified, r.unverified_ops, r.attention_checks) == (6, 6, {}, 0)
 
 
+@pytest.mark.corpus  # inductor compiles C++ (about 6 s): CONTRIBUTING.md
 @pytest.mark.slow  # inductor compiles C++ (about a minute here): see CONTRIBUTING.md
 def test_inductor_compiled_sdpa_is_bit_identical_and_a_fault_caught():
     for config in (dict(is_causal=True, kv_heads=2, enable_gqa=True), dict(autocast=True, attn_mask=padding_mask())):

@@ -251,6 +251,7 @@ def test_detect_training_clean_counts_the_steps_the_screen_re_executes(tmp_path:
     assert run["last_loss"] < run["first_loss"]  # it trains
 
 
+@pytest.mark.corpus  # a 200-step training run (about 15 s): CONTRIBUTING.md
 @pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_detect_training_horizon_reports_drift_and_when_a_stuck_bit_was_caught(tmp_path: Path) -> None:
     report = bench(tmp_path, "detect", "--training", "--horizon", "3", "--models", "toy:32/32/4/1/3e-3",
@@ -294,6 +295,7 @@ def test_calibrate_recommends_margin_over_measured_max(tmp_path: Path) -> None:
     assert bool(vabft_check(a, b, c, e_max=e * 1.001).ok[1, 0]) and not bool(vabft_check(a, b, c, e_max=e * 0.99).ok[1, 0])
 
 
+@pytest.mark.corpus  # a training subprocess (about 7 s): CONTRIBUTING.md
 @pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_train(tmp_path: Path) -> None:
     report = bench(tmp_path, "train", "--steps", "3", "--warmup", "1", "--d-model", "32", "--layers", "1",
@@ -386,6 +388,7 @@ def test_helpers() -> None:
         "sign", "exponent (top)", "exponent", "mantissa"]
 
 
+@pytest.mark.corpus  # inductor compiles the bench's model, cold cache (about 40 s): CONTRIBUTING.md
 @pytest.mark.slow  # integration-heavy (a subprocess, inductor compiling a model): see CONTRIBUTING.md
 def test_train_compiled(tmp_path: Path) -> None:
     report = bench(tmp_path, "train", "--compile", "--ac", "--steps", "2", "--warmup", "1", "--d-model", "32",

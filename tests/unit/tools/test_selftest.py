@@ -59,6 +59,7 @@ def test_every_backend_found_agrees_with_the_exact_references() -> None:
     assert result["passed"] and result["failed_backends"] == [] and result["exit_code"] == 0
 
 
+@pytest.mark.corpus  # a subprocess at the training shapes (about 11 s): CONTRIBUTING.md
 @pytest.mark.slow  # a subprocess at the training shapes
 def test_default_shapes_text_report() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter takes minutes here

@@ -577,7 +577,7 @@ class Branchy(torch.nn.Module):
 
 
 @pytest.mark.slow  # three HOPs through torch.compile, inductor included: see CONTRIBUTING.md
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.corpus)])  # 6-11 s
 def test_higher_order_ops_in_a_compiled_model_are_verified_and_flex_attention_counted_under_inductor(backend):
     """In the graphs AOT autograd partitions, ``torch.cond``'s branches are subgraphs the
     pass walks into and activation checkpointing is inlined (ordinary aten GEMMs): verified.

@@ -147,7 +147,7 @@ class Loop(torch.nn.Module):
 
 
 @pytest.mark.slow  # torch.cond and while_loop through torch.compile: see CONTRIBUTING.md
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.corpus)])  # 6-11 s
 def test_the_bodies_of_cond_and_while_loop_are_verified(backend):
     torch.manual_seed(0)
     model = Branches()
@@ -338,6 +338,7 @@ def test_a_sampler_that_changes_its_mind_recompiles_nothing_and_weights_stay_cac
     assert misses[0] > 0 and misses[1] > 0 and misses[2:] == [0, 0] and guard.cache.stats.hits > 0
 
 
+@pytest.mark.corpus  # a transformers model through inductor (about 10 s): CONTRIBUTING.md
 @pytest.mark.slow  # a transformers model through torch.compile: see CONTRIBUTING.md
 def test_hugging_face_gradient_checkpointing_under_model_compile_is_verified():
     """A Llama with ``gradient_checkpointing_enable()`` and ``model.compile()``: every GEMM
@@ -439,6 +440,7 @@ print("not reached")
 """
 
 
+@pytest.mark.corpus  # a subprocess compiling a checkpointed model (about 7 s): CONTRIBUTING.md
 @pytest.mark.slow  # a subprocess compiling a checkpointed model: see CONTRIBUTING.md
 def test_a_persistent_fault_in_a_recomputed_gemm_ends_in_the_documented_exit(tmp_path):
     """Recompute, then roll back, then exit with ``EXIT_PERSISTENT`` when the fault in the

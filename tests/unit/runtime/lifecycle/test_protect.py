@@ -442,6 +442,7 @@ def test_rotating_sampler_covers_every_site_in_each_window() -> None:
     assert all(len(v) < len(all_sites) for _, v in seen_sites[1:])
 
 
+@pytest.mark.corpus  # a training loop long enough for the budget (about 10 s): CONTRIBUTING.md
 @pytest.mark.slow  # integration-heavy (a subprocess, a CLI run, a training loop): see CONTRIBUTING.md
 def test_budget_sampler_meets_its_budget_on_a_real_training_loop() -> None:
     """Measured, not mocked: the guard's own timing of a real loop (a ratio, not a time).

@@ -1,6 +1,7 @@
 """ASD mode: the gradient screen (``sampling.Screened``) and its verified re-execution."""
 
 import contextlib
+import functools
 from pathlib import Path
 
 import pytest
@@ -178,6 +179,7 @@ def test_bad_arguments_name_the_argument(kwargs: dict, error: type, message: str
         Screened(**kwargs)
 
 
+@pytest.mark.corpus  # two gloo processes (about 5 s): CONTRIBUTING.md
 @pytest.mark.slow  # multi-process: `pytest -m "not slow"` skips it (CONTRIBUTING.md)
 def test_distributed_screen_trips_and_re_executes_in_lockstep(tmp_path: Path) -> None:
     import json
@@ -229,16 +231,25 @@ def test_a_screen_that_fails_warns_once_and_training_goes_on() -> None:
 
 # --- the per-layer statistics ------------------------------------------------------------------
 
-def real_gradients(steps: int, seed: int = 0) -> list[list[torch.Tensor]]:
-    """The gradients of ``steps`` real training steps of the tiny GPT (Adam, lr 1e-2)."""
-    model = make_model(seed)
+def real_gradients(steps: int) -> list[list[torch.Tensor]]:
+    """The gradients of the first ``steps`` real training steps of the tiny GPT (Adam, lr
+    1e-2), from one run shared by the tests (each gets its own lists; nothing writes the
+    tensors in place)."""
+    history = _training_gradients()
+    assert steps <= len(history), steps
+    return [list(grads) for grads in history[:steps]]
+
+
+@functools.cache
+def _training_gradients(steps: int = 40) -> tuple[tuple[torch.Tensor, ...], ...]:
+    model = make_model(0)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     grads = []
     for step in range(steps):
         closure_for(model, opt, step)()
-        grads.append([p.grad.detach().clone() for p in model.parameters()])
+        grads.append(tuple(p.grad.detach().clone() for p in model.parameters()))
         opt.step()
-    return grads
+    return tuple(grads)
 
 
 def test_a_layer_spike_within_the_factor_trips_the_per_layer_test_and_names_the_layer() -> None:
@@ -312,6 +323,7 @@ def test_bad_statistics_arguments_name_the_argument(kwargs: dict, error: type, m
         Screened(**kwargs)
 
 
+@pytest.mark.corpus  # 120 steps of three copies of the toy GPT (about 50 s): CONTRIBUTING.md
 @pytest.mark.slow  # 120 steps of the toy GPT, three copies (sdc_guard.tools.training_runs)
 def test_clean_training_through_warm_up_and_learning_rate_spikes_re_executes_at_most_a_step() -> None:
     from sdc_guard.tools.bench_models import build
