@@ -441,15 +441,16 @@ class CollectiveChecks:
         rank could not take (its slot's first number 0) is not judged, as that rank leaves
         it unchecked; nothing local to this rank (its own failures) decides the others'."""
         g = len(ranks)
-        step_flags = carried[: 2 * g].view(g, 2) > 0.5
-        flagged = {ranks[k] for k in range(g) if bool(step_flags[k, 0])}
-        tripped = sorted(ranks[k] for k in range(g) if bool(step_flags[k, 1]))
+        step_flags = (carried[: 2 * g].view(g, 2) > 0.5).tolist()  # one read, not one per rank
+        flagged = {ranks[k] for k in range(g) if step_flags[k][0]}
+        tripped = sorted(ranks[k] for k in range(g) if step_flags[k][1])
         offset, receipts = 2 * g, []
         for r, block in zip(records, blocks):
             width = 1 + _receipt_slots(r)
             rows = carried[offset: offset + g * width].view(g, width)
             offset += g * width
-            receipts.extend((r, block, rows[k, 1:], k) for k in range(g) if rows[k, 0] > 0.5)
+            valid = (rows[:, 0] > 0.5).tolist()
+            receipts.extend((r, block, rows[k, 1:], k) for k in range(g) if valid[k])
         for r, block, received, k in _suspects(receipts):
             detection = verdict(r, block, step, ranks[k], ranks, received=received, me=k)
             if detection is not None:
