@@ -2,7 +2,9 @@
 
 One small collective per step (``flagged_ranks``, or ``step_flags`` with a gradient
 screen), one more only when something was flagged or tripped (``agree_max`` on the triage
-outcome). Without ``torch.distributed`` initialised,
+outcome). On a step whose collectives are checked in the group that spans the world, the
+checks' own exchange carries the flags instead and the first collective is not needed
+(``runtime/collectives/collective_checks.py``, ``Guard.agreed_flags``). Without ``torch.distributed`` initialised,
 both are local no-ops, so the same code serves single-process runs. Checkpoints of
 sharded state add two more (``broadcast_object``, ``gather_errors``) around each write
 and each read from disk, so that every rank agrees on what exists and on what failed.

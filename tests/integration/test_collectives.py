@@ -174,3 +174,47 @@ def test_clean_runs_stay_clean(tmp_path: Path, world_size: int) -> None:
         _check_clean(summaries, states, f"{kind}/{dtype}/clean", kind, world_size)
         assert all(r["verified"] == 0 for r in summaries[0][f"{kind}/{dtype}/clean"]["reports"])
         assert all(bool(torch.isfinite(p).all()) for p in states[0][f"{kind}/{dtype}/clean"])  # it trained
+
+
+@pytest.mark.corpus  # gloo processes, 15-45 s each (CONTRIBUTING.md)
+@pytest.mark.slow
+def test_the_step_flags_ride_in_the_exchange_and_every_rank_learns_them(tmp_path: Path) -> None:
+    """With its collectives checked, a clean step costs the guard one collective: the
+    exchange (one all-reduce), no flag all-gather. A GEMM or a collective flagged on rank 1
+    only is known to rank 0 from that exchange: both ranks name rank 1 and take the same
+    response. Without the checks (``collectives=False``, or a step the sampler does not
+    watch) the flags take their own all-gather and still agree."""
+    import exchange_worker
+
+    scenarios = ["merged:clean", "merged:gemm", "merged:coll", "off:clean", "off:gemm", "every2:gemm"]
+    worker.spawn(exchange_worker.run, (2, worker.free_port(), scenarios, str(tmp_path)), 2,
+                 timeout=worker.WORKER_TIMEOUT + 30)
+    import json
+    summaries = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    fault = exchange_worker.FAULT_STEP
+    one_exchange, one_gather = {"all_reduce": 1}, {"all_gather": 1}
+    for rank, summary in enumerate(summaries):
+        steps = summary["merged:clean"]["steps"]
+        assert [s["collectives"] for s in steps] == [one_exchange] * len(steps), (rank, steps)
+        assert all(s["checks"] == 1 and s["flagged_ranks"] == [] for s in steps), (rank, steps)
+        for scenario in ("merged:gemm", "merged:coll"):
+            steps = summary[scenario]["steps"]
+            responses = [(s["step"], s["flagged_ranks"], s["classification"], s["action"])
+                         for s in steps if s["classification"]]
+            assert responses == [(fault, [1], "transient", "recompute")], (rank, scenario, responses)
+            assert [s["flagged"] > 0 for s in steps] == [rank == 1 and s["step"] == fault for s in steps]
+            # the flags never took their own all-gather; clean steps one collective
+            assert all("all_gather" not in s["collectives"] for s in steps), (rank, scenario, steps)
+            assert all(s["collectives"] == one_exchange for s in steps if s["step"] != fault), (rank, scenario)
+        steps = summary["off:clean"]["steps"]
+        assert [s["collectives"] for s in steps] == [one_gather] * len(steps), (rank, steps)
+        steps = summary["off:gemm"]["steps"]
+        assert [(s["step"], s["flagged_ranks"], s["action"]) for s in steps if s["classification"]] == [
+            (fault, [1], "recompute")], (rank, steps)
+        assert steps[0]["collectives"] == one_gather and steps[0]["checks"] == 0
+        steps = summary["every2:gemm"]["steps"]
+        # watched steps (0, 2): the exchange carries the flags; unwatched ones (1, 3): the all-gather
+        assert [s["collectives"] for s in steps if s["step"] != fault] == [one_exchange, one_gather, one_gather]
+        assert "all_gather" not in steps[fault]["collectives"], (rank, steps)
+        assert [(s["step"], s["flagged_ranks"], s["action"]) for s in steps if s["classification"]] == [
+            (fault, [1], "recompute")], (rank, steps)

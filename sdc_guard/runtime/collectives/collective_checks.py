@@ -22,6 +22,22 @@ only where that pass finds a mismatch. Why: the checks' cost was their fixed cos
 collective (dozens of small torch operations, some on the backend's thread, where each
 gives the GIL back), not their arithmetic (issue 35; docs/PERFORMANCE.md, "Collectives").
 
+**One collective per step** (``close``'s ``flags``; ``GuardedStep.run``): on the first run
+of a step driven by ``optimizer_step``, the exchange of the group that spans the whole
+world (the default group under DDP or FSDP2 on one mesh dimension) also carries, in
+per-rank slots, each rank's step flags (a GEMM or an earlier group's collective flagged;
+its gradient screen tripped) and its receiver's checksums of every record. After the one
+all-reduce every rank holds the same numbers and judges every rank's receipts with the
+same functions (``_suspects``, ``verdict``, per record and receiving rank), so every rank
+learns who flagged without the separate all-gather of ``respond/distributed.step_flags``
+(``CollectiveResult.agreed``). Each rank still reports only its own detections, judged
+from the exchange's copy of its receipts, the numbers the others judge. Where no such
+group checked a collective, the exchange failed or its header does not add up (facts
+every rank sees alike, the header being a sum), or the receipts would make the exchange
+large (``MERGE_LIMIT``), ``agreed`` is None on every rank and the flags take their own
+collective, as before. Why: the second collective cost a round trip and a wait for the
+slowest rank every step (issue 35; benchmarks/collectives_xeon-2vcpu-shared_2026-12-07.md).
+
 A mismatch is a ``Detection`` of kind ``"collective"``: the op, the step, the sending and
 receiving ranks, the bucket or module. It goes to the responder like a GEMM's (re-execution
 first). The exchange's header (one per rank, the step, the number of records and a digest
@@ -65,6 +81,13 @@ from ...respond.distributed import is_distributed
 _KIND = {op: i for i, op in enumerate(OPS)}
 #: how long ``close`` waits for a result that has not landed yet before giving up on it
 LANDING_TIMEOUT = 300.0
+#: the most fp64 numbers the step's flags and every rank's receipts may add to the world's
+#: exchange (they grow with the world's size times the checksums): beyond, the exchange
+#: carries the senders' checksums alone and the flags take their own small collective
+MERGE_LIMIT = 1 << 16
+#: a record's checked receipt, as ``_suspects`` and ``verdict`` judge it: the record, its
+#: block of the exchange, the receiver's checksums and the receiver's rank in the group
+Receipt = tuple["Record", Tensor, Tensor, int]
 
 
 @dataclass
@@ -101,6 +124,9 @@ class CollectiveResult:
     seconds: float = 0.0  #: the checks' time: checksums, the exchange, the verdicts
     exchange_seconds: float = 0.0  #: the part the exchange's all-reduces took
     exchanged: int = 0  #: fp64 numbers this rank sent in them
+    #: the step's flagged and tripped global ranks, identical on every rank, when the
+    #: world's exchange carried the flags (``close``'s ``flags``); else None (every rank alike)
+    agreed: tuple[list[int], list[int]] | None = None
 
     def into(self, report: StepReport) -> None:
         """Add what the checks found to the step's report (a detection flags the step)."""
@@ -284,10 +310,15 @@ class CollectiveChecks:
         """Whether the open step has collectives to check (or counted unchecked)."""
         return bool(self._records or self._unchecked)
 
-    def close(self, step: int, rank: int) -> CollectiveResult:
+    def close(self, step: int, rank: int, flags: tuple[bool, bool] | None = None) -> CollectiveResult:
         """Exchange the senders' checksums (one all-reduce per process group, in the order
         of the groups' names, so that no two ranks wait on each other) and check what this
-        rank received. Every rank of a group calls it at the same step with the same records."""
+        rank received. Every rank of a group calls it at the same step with the same records.
+
+        ``flags``: this rank's (GEMM flagged, gradient screen tripped), to be agreed across
+        ranks: the exchange of the group spanning the world (``_carrier``), run last,
+        carries them with every rank's receipts, and ``agreed`` says who flagged (this
+        rank's flag includes its detections in the groups exchanged before)."""
         started = time.perf_counter()
         result = CollectiveResult(unchecked=dict(self._unchecked))
         records, self._records = self._records, []
@@ -299,8 +330,15 @@ class CollectiveChecks:
                 by_group: dict[str, list[Record]] = {}
                 for r in records:
                     by_group.setdefault(r.call.group.group_name, []).append(r)
-                for name in sorted(by_group):
-                    self._exchange(by_group[name], step, rank, result)
+                carrier = _carrier(by_group) if flags is not None else None
+                # the carrier last (every rank picks the same one): its flags then include
+                # the detections of every other group
+                for name in sorted(by_group, key=lambda n: (n == carrier, n)):
+                    mine = None
+                    if name == carrier:
+                        assert flags is not None
+                        mine = (flags[0] or bool(result.detections), flags[1])
+                    self._exchange(by_group[name], step, rank, result, mine)
         result.seconds = self._seconds + sum(r.seconds for r in records) + time.perf_counter() - started
         self.last_exchanged = result.exchanged
         self._seconds = 0.0
@@ -317,16 +355,25 @@ class CollectiveChecks:
             if not r.landed.wait(LANDING_TIMEOUT):
                 r.failed = f"its result did not land within {LANDING_TIMEOUT:.0f} s"
 
-    def _exchange(self, records: list[Record], step: int, rank: int, result: CollectiveResult) -> None:
+    def _exchange(self, records: list[Record], step: int, rank: int, result: CollectiveResult,
+                  flags: tuple[bool, bool] | None = None) -> None:
+        """One group's exchange and this rank's verdicts; with ``flags`` (the carrier's),
+        every rank's flags and receipts too, and ``result.agreed``."""
         group = records[0].call.group
         size = group.size()
         device = records[0].call.send.device if records[0].call.send is not None else torch.device("cpu")
-        digest = exchange_layout_digest([(_KIND[r.call.op], r.slots) for r in records])
+        layout = [(_KIND[r.call.op], r.slots) for r in records]
+        carried = _carried(records, group.rank(), flags) if flags is not None else None
+        if carried is not None:  # a layout of its own: ranks that disagree on merging see it
+            layout.append((len(_KIND), carried.numel()))
+        digest = exchange_layout_digest(layout)
         header = torch.tensor([1.0, float(step), float(len(records)), digest], dtype=torch.float64, device=device)
         # what this rank sent, even when its own result could not be checked: the others need it
         parts = [header] + [r.sent.to(device) if r.sent is not None
                             else torch.full((r.slots,), math.nan, dtype=torch.float64, device=device)
                             for r in records]
+        if carried is not None:
+            parts.append(carried.to(device))
         began = time.perf_counter()
         try:
             exchanged = torch.cat(parts)
@@ -354,9 +401,11 @@ class CollectiveChecks:
         offset = 4
         ranks = dist.get_process_group_ranks(group)
         checked: list[tuple[Record, Tensor]] = []
+        blocks: list[Tensor] = []
         for r in records:
             block = values[offset: offset + r.slots]
             offset += r.slots
+            blocks.append(block)
             if r.failed is not None or r.received is None:
                 key = f"{r.call.op}[failed]"
                 result.unchecked[key] = result.unchecked.get(key, 0) + 1
@@ -367,10 +416,90 @@ class CollectiveChecks:
             result.checks += 1
             result.by_op[r.call.op] = result.by_op.get(r.call.op, 0) + 1
             checked.append((r, block))
+        if carried is not None:
+            try:  # the same numbers and code on every rank: a failure here fails everywhere alike
+                self._judge_all(records, blocks, values[offset:], step, ranks, group.rank(), result)
+            except Exception as exc:  # monitoring never stops training: the flags take their collective
+                result.agreed = None
+                self._warn(f"collective-verdict:{type(exc).__name__}", f"sdc_guard: could not judge the "
+                           f"collectives' checksums ({type(exc).__name__}: {exc}); they go unchecked")
+                for r, _ in checked:
+                    key = f"{r.call.op}[verdict]"
+                    result.unchecked[key] = result.unchecked.get(key, 0) + 1
+            return
         for r, block in suspects(checked):
             detection = verdict(r, block, step, rank, ranks)
             if detection is not None:
                 result.detections.append(detection)
+
+    @staticmethod
+    def _judge_all(records: list[Record], blocks: list[Tensor], carried: Tensor, step: int, ranks: list[int],
+                   me: int, result: CollectiveResult) -> None:
+        """The carrier's verdicts: every rank's receipt of every record, judged from the
+        exchange alone (the same numbers on every rank, so the same verdicts), which gives
+        ``result.agreed``; this rank's own detections go into ``result``. A receipt its
+        rank could not take (its slot's first number 0) is not judged, as that rank leaves
+        it unchecked; nothing local to this rank (its own failures) decides the others'."""
+        g = len(ranks)
+        step_flags = (carried[: 2 * g].view(g, 2) > 0.5).tolist()  # one read, not one per rank
+        flagged = {ranks[k] for k in range(g) if step_flags[k][0]}
+        tripped = sorted(ranks[k] for k in range(g) if step_flags[k][1])
+        offset, receipts = 2 * g, []
+        for r, block in zip(records, blocks):
+            width = 1 + _receipt_slots(r)
+            rows = carried[offset: offset + g * width].view(g, width)
+            offset += g * width
+            valid = (rows[:, 0] > 0.5).tolist()
+            receipts.extend((r, block, rows[k, 1:], k) for k in range(g) if valid[k])
+        for r, block, received, k in _suspects(receipts):
+            detection = verdict(r, block, step, ranks[k], ranks, received=received, me=k)
+            if detection is not None:
+                flagged.add(ranks[k])
+                if k == me:
+                    result.detections.append(detection)
+        result.agreed = (sorted(flagged), tripped)
+
+
+def _receipt_slots(r: Record) -> int:
+    """Numbers of a receiver's checksums of ``r``: two per shard of an all-gather, two per
+    segment of a reduction's result (a reduce-scatter's: this rank's chunk)."""
+    return 2 * (r.call.group_size if r.call.op == "all_gather" else segments(r.numel))
+
+
+def _carrier(by_group: dict[str, list[Record]]) -> str | None:
+    """The group whose exchange carries the step's flags: the first by name of those that
+    span the whole world (every rank exchanges in it, so every rank learns every flag),
+    unless every rank's receipts would make it larger than ``MERGE_LIMIT``. Every rank
+    picks the same one: it depends on the records' layout and the world's size alone."""
+    world = dist.get_world_size()
+    for name in sorted(by_group):
+        records = by_group[name]
+        if records[0].call.group.size() == world:
+            size = 2 * world + world * sum(1 + _receipt_slots(r) for r in records)
+            return name if size <= MERGE_LIMIT else None
+    return None
+
+
+def _carried(records: list[Record], me: int, flags: tuple[bool, bool]) -> Tensor:
+    """This rank's part of what the carrier's exchange carries beyond the senders'
+    checksums, zeros in every other rank's slots: [g x 2] step flags, then per record
+    [g x (1 + receipt)] (1 and this rank's receiver checksums where it has them, else 0)."""
+    g = records[0].call.group_size
+    carried = torch.zeros(2 * g + g * sum(1 + _receipt_slots(r) for r in records), dtype=torch.float64)
+    carried[2 * me], carried[2 * me + 1] = float(flags[0]), float(flags[1])
+    offset = 2 * g
+    for r in records:
+        n = _receipt_slots(r)
+        received = r.received if r.failed is None else None
+        start = offset + me * (1 + n)
+        offset += g * (1 + n)
+        try:  # never raises: every rank must join the exchange with a part of this size
+            if received is not None and received.numel() == n:
+                carried[start + 1: start + 1 + n] = received.reshape(-1).to(device="cpu", dtype=torch.float64)
+                carried[start] = 1.0
+        except Exception:  # left invalid (0): unjudged, as this rank leaves it unchecked
+            carried[start: start + 1 + n] = 0.0
+    return carried
 
 
 def suspects(checked: list[tuple[Record, Tensor]]) -> list[tuple[Record, Tensor]]:
@@ -384,11 +513,19 @@ def suspects(checked: list[tuple[Record, Tensor]]) -> list[tuple[Record, Tensor]
     Why: the verdicts are a few dozen tensor operations each, and a step checks many
     collectives (FSDP2: two per parameter group and step, plus the backward's
     all-gathers); one pass per kind costs what one record did."""
-    kinds: dict[tuple[Any, ...], list[tuple[Record, Tensor]]] = {}
-    for r, block in checked:
+    receipts = [(r, block, r.received, r.call.group_rank) for r, block in checked]
+    kept = {id(x) for x in _suspects(receipts)}
+    return [pair for pair, x in zip(checked, receipts) if id(x) in kept]
+
+
+def _suspects(receipts: list[Receipt]) -> list[Receipt]:
+    """``suspects`` on receipts (``Receipt``): any receiver's, not only this rank's."""
+    kinds: dict[tuple[Any, ...], list[Receipt]] = {}
+    for x in receipts:
+        r = x[0]
         call = r.call
         key = ("all_gather",) if call.op == "all_gather" else (r.dtype, call.group_size, call.scale)
-        kinds.setdefault(key, []).append((r, block))
+        kinds.setdefault(key, []).append(x)
     flagged: set[int] = set()
     for key, members in kinds.items():
         try:
@@ -396,34 +533,33 @@ def suspects(checked: list[tuple[Record, Tensor]]) -> list[tuple[Record, Tensor]
         except Exception:  # checksums on several devices, say: each record judged alone
             clear = False
         if not clear:
-            flagged.update(id(r) for r, _ in members)
-    return [(r, block) for r, block in checked if id(r) in flagged]
+            flagged.update(id(x) for x in members)
+    return [x for x in receipts if id(x) in flagged]
 
 
-def _clear(key: tuple[Any, ...], members: list[tuple[Record, Tensor]]) -> bool:
-    """Whether every record of one kind passes (``suspects``): ``verdict``'s comparisons
-    on all their rows at once. A record whose checksums have not the rows its block
+def _clear(key: tuple[Any, ...], members: list[Receipt]) -> bool:
+    """Whether every receipt of one kind passes (``suspects``): ``verdict``'s comparisons
+    on all their rows at once. A receipt whose checksums have not the rows its block
     expects is never cleared here (its rows would shift its neighbours')."""
-    rows = [r.call.group_size if r.call.op == "all_gather" else segments(r.numel) for r, _ in members]
-    if any(r.received.numel() != 2 * n for (r, _), n in zip(members, rows)):
+    rows = [r.call.group_size if r.call.op == "all_gather" else segments(r.numel) for r, _, _, _ in members]
+    if any(received.numel() != 2 * n for (_, _, received, _), n in zip(members, rows)):
         return False
-    received = torch.cat([r.received.to(torch.float64).reshape(-1, 2) for r, _ in members]).cpu()
+    received = torch.cat([received.to(torch.float64).reshape(-1, 2) for _, _, received, _ in members]).cpu()
     if key[0] == "all_gather":
-        sent = torch.cat([block for _, block in members]).view(-1, 2)
+        sent = torch.cat([block for _, block, _, _ in members]).view(-1, 2)
         return not bool(((received != sent) & torch.isfinite(sent)).any())
     dtype, g, scale = key
     expected, magnitudes = [], []
-    for r, block in members:
+    for r, block, _, me in members:
         nseg = segments(r.numel)
         if r.call.op == "all_reduce":
             expected.append(block[: 2 * nseg])
             magnitudes.append(block[2 * nseg:])
         else:
-            me = r.call.group_rank
             expected.append(block[2 * nseg * me: 2 * nseg * (me + 1)])
             magnitudes.append(block[2 * g * nseg + nseg * me: 2 * g * nseg + nseg * (me + 1)])
     corrupt, _, _ = reduction_flags(received, torch.cat(expected).view(-1, 2), torch.cat(magnitudes),
-                                    _sizes(tuple(r.numel for r, _ in members)), dtype, g, scale)
+                                    _sizes(tuple(r.numel for r, _, _, _ in members)), dtype, g, scale)
     return not bool(corrupt.any())
 
 
@@ -434,12 +570,16 @@ def _sizes(numels: tuple[int, ...]) -> Tensor:
     return torch.cat([segment_sizes(n) for n in numels])
 
 
-def verdict(r: Record, block: Tensor, step: int, rank: int, ranks: list[int]) -> Detection | None:
+def verdict(r: Record, block: Tensor, step: int, rank: int, ranks: list[int], *,
+            received: Tensor | None = None, me: int | None = None) -> Detection | None:
     """This rank's verdict on one collective: a detection, or None when what it received
-    is what was sent. ``ranks``: the group's global ranks, by group rank."""
+    is what was sent. ``ranks``: the group's global ranks, by group rank. ``received`` and
+    ``me``: another receipt's checksums and its receiver's group rank (``rank`` then the
+    receiver's global rank), instead of this rank's own."""
     call = r.call
-    g, me = call.group_size, call.group_rank
-    received = r.received.cpu()
+    g = call.group_size
+    me = call.group_rank if me is None else me
+    received = (r.received if received is None else received).cpu().reshape(-1, 2)
     if call.op == "all_gather":
         sent = block.view(g, 2)
         # a sender whose checksums failed sent NaN: its shard is unverifiable, not corrupt

@@ -122,6 +122,11 @@ class Guard(CheckIntake):
         #: check the step's collectives (``runtime/collectives/collective_checks.py``), where they can be
         self.collectives = config.collectives
         self.collective_checks = CollectiveChecks(self._sites, self.module_names, self._warn_once)
+        #: the last closed step's flagged and tripped global ranks, identical on every rank,
+        #: when its collectives' exchange carried them (``end_step(tripped=...)``); None
+        #: otherwise, on every rank alike: then they take their own collective
+        #: (``respond/distributed.step_flags``; ``GuardedStep.run``)
+        self.agreed_flags: tuple[list[int], list[int]] | None = None
 
     # --- step lifecycle ------------------------------------------------------------------
 
@@ -213,20 +218,24 @@ class Guard(CheckIntake):
         """Whether this is the only guard active on this thread."""
         return active_guards() == [self]
 
-    def end_step(self, *, closure_raised: bool = False) -> StepReport:
+    def end_step(self, *, closure_raised: bool = False, tripped: bool | None = None) -> StepReport:
         """Close the open step: read its flags (one host sync) and report it.
         ``closure_raised``: ``optimizer_step``'s closure raised (the step was not screened
-        for that reason, not for a missing ``optimizer_step``)."""
+        for that reason, not for a missing ``optimizer_step``). ``tripped``: this rank's
+        gradient screen tripped (``False`` without a screen), from ``optimizer_step``,
+        which agrees the step's flags across ranks: the collectives' exchange carries them
+        where it can, and ``agreed_flags`` says who flagged (None: it could not)."""
         if closure_raised:
             self._screening.excuse()
             self.collective_checks.abandon()
-        report = self._close_step(keep_empty=True)
+        report = self._close_step(keep_empty=True, tripped=tripped)
         assert report is not None
         return report
 
-    def _close_step(self, *, keep_empty: bool) -> StepReport | None:
+    def _close_step(self, *, keep_empty: bool, tripped: bool | None = None) -> StepReport | None:
         if not self._step_open:
             raise RuntimeError("end_step(): no step is open (use it inside the protect() block)")
+        self.agreed_flags = None
         self._sites.stop()
         self._step_open = False
         if self._provisional:  # opened by optimizer_step: did the block end right after it?
@@ -237,10 +246,13 @@ class Guard(CheckIntake):
         self._sites.calls = 0
         round_trip = round_trip_seconds() if self._ledger.ops else 0.0
         module_hook = module_hook_seconds() if self._ledger.module_calls else 0.0
-        collectives = self.collective_checks.close(self.step_index, self.rank) \
-            if self.collective_checks.pending else None  # every rank of a group closes alike
-        if collectives is not None:
+        collectives = None
+        if self.collective_checks.pending:  # every rank of a group closes alike
+            # the flags to agree: the GEMMs' read now (the report reads them again, cached)
+            flags = None if tripped is None else (self._ledger.gemms_flagged(), tripped)
+            collectives = self.collective_checks.close(self.step_index, self.rank, flags)
             self._ledger.hook_seconds += collectives.seconds
+            self.agreed_flags = collectives.agreed
         if (not keep_empty and self._watching and self._ledger.seen == 0 and not self._ledger.unverified
                 and collectives is None) or \
                 (not keep_empty and self._provisional and not self._watching):

@@ -86,9 +86,14 @@ class GuardedStep:
         if state is not None:
             state.first_run_done()
         screened = guard.screen_gradients(self._params)  # None unless the sampler screens
-        report = guard.end_step()
+        # the step's flags ride in the collectives' exchange where it can carry them: then
+        # every rank has them (``agreed_flags``) and no collective of their own is needed;
+        # else (None on every rank alike) they take their own small collective
+        report = guard.end_step(tripped=screened is not None and screened.tripped)
         started = time.perf_counter()  # the guard's bookkeeping from here on is charged to the next report
-        if screened is None:
+        if guard.agreed_flags is not None:
+            flagged, tripped = guard.agreed_flags
+        elif screened is None:
             flagged, tripped = distributed.flagged_ranks(report.flagged > 0), []
         else:
             flagged, tripped = distributed.step_flags(report.flagged > 0, screened.tripped)

@@ -125,6 +125,20 @@ class StepLedger:
         #: the step's calibration replay, all of it (the bare run, putting its effects back)
         self.calibration_seconds = 0.0
         self.replay: Replay | None = None
+        self._summaries: list[list[float]] | None = None  #: read once (``summaries``)
+
+    def summaries(self) -> list[list[float]]:
+        """The verified GEMMs' summaries, read from the device once (the one host
+        synchronisation of the step: ``report`` reuses them)."""
+        if self._summaries is None:
+            self._summaries = read_summaries([p.summary for p in self.pending])
+        return self._summaries
+
+    def gemms_flagged(self) -> bool:
+        """Whether a verified GEMM of the step was flagged (what ``report`` counts in
+        ``flagged``), before the report exists: the step's flag for the collectives'
+        exchange (``Guard.end_step``'s ``tripped``)."""
+        return any(s[0] > 0 for s in self.summaries())
 
     def see(self, kind: KindKey) -> int:
         """Count a GEMM; returns its index among the step's GEMMs."""
@@ -192,7 +206,7 @@ class StepLedger:
         ``stats``, record every verified GEMM's worst D/T and flag in it. ``calibration``
         (the model's) takes the step's calibration pair, if it ran one, and gives the
         interception factor to apply (none yet: the per-op estimate stands)."""
-        summaries = read_summaries([p.summary for p in self.pending])  # the one host sync
+        summaries = self.summaries()  # the one host sync
         if stats is not None:
             for p, s in zip(self.pending, summaries):
                 stats.observe(p.site, s[1], s[0] > 0 or s[4] > 0)

@@ -27,7 +27,9 @@ from sdc_guard.core.collective import (  # noqa: E402
     SEGMENT, bit_checksums, pairs_bits, reduction_bound, reduction_flags, segment_sizes, segment_sums,
 )
 from sdc_guard.metrics import GuardMetrics  # noqa: E402
-from sdc_guard.runtime.collectives.collective_checks import Record, suspects  # noqa: E402
+from sdc_guard.runtime.collectives.collective_checks import (  # noqa: E402
+    CollectiveChecks, CollectiveResult, Record, _carried, suspects,
+)
 from sdc_guard.runtime.collectives.collective_checks import verdict as collective_verdict  # noqa: E402
 from sdc_guard.runtime.dispatch.collective_ops import Collective  # noqa: E402
 from sdc_guard.runtime.dispatch.ops import Route, route_of  # noqa: E402
@@ -495,12 +497,12 @@ class _Group:
         return self._rank
 
 
-def _records(g: int = 2) -> list[tuple[Record, torch.Tensor]]:
+def _records(g: int = 2, me: int = 0) -> list[tuple[Record, torch.Tensor]]:
     """Clean checked records of every kind as one rank holds them, each with its block of
     the exchange (what every rank sent, added): two all-reduces (one averaged), a
     reduce-scatter, two all-gathers, from real gradients."""
     xs = [x.to(torch.float32) for x in _gradients(g)]
-    me, group = 0, _Group(g, 0)
+    group = _Group(g, me)
     out = []
     for numel, average in ((3 * SEGMENT + 11, False), (SEGMENT, True)):
         parts = [x[:numel] for x in xs]
@@ -570,3 +572,88 @@ def test_records_that_cannot_be_compared_at_once_go_to_their_own_verdicts() -> N
     first.received = first.received[:-1]
     found = [id(r) for r, _ in suspects(records)]
     assert id(first) in found and id(second) in found
+
+
+def _merged(g: int, flags: list[tuple[bool, bool]], corrupt: dict[int, int] | None = None) -> list[CollectiveResult]:
+    """The carrier's verdicts as each of ``g`` ranks makes them: every rank's ``_carried``
+    part added (what the all-reduce gives every rank), then judged by each. ``corrupt``:
+    record index -> the rank whose receipt of it is wrong."""
+    held = [_records(g, me) for me in range(g)]
+    for k, rank in (corrupt or {}).items():
+        r = held[rank][k][0]
+        r.received = r.received.clone()
+        r.received.view(-1)[-1] += 1.0 if r.call.op != "all_gather" else 1
+    carried = sum(_carried([r for r, _ in held[me]], me, flags[me]) for me in range(g))
+    results = []
+    for me in range(g):
+        result = CollectiveResult()
+        CollectiveChecks._judge_all([r for r, _ in held[me]], [b for _, b in held[me]], carried, 3,
+                                    list(range(g)), me, result)
+        results.append(result)
+    return results
+
+
+@pytest.mark.parametrize("g", [2, 4])
+def test_every_rank_judges_every_ranks_receipts_alike_from_the_merged_exchange(g: int) -> None:
+    """The world's exchange carries each rank's flags and receipts (``close``'s ``flags``):
+    every rank then agrees who flagged (a GEMM flag, a tripped screen, a wrong receipt of
+    any kind of collective, on any rank), and reports only its own detections, as it would
+    have judged them alone."""
+    quiet = [(False, False)] * g
+    assert [r.agreed for r in _merged(g, quiet)] == [([], [])] * g
+    assert all(r.detections == [] for r in _merged(g, quiet))
+    flags = [(False, False)] * g
+    flags[0], flags[g - 1] = (True, False), (False, True)
+    assert [r.agreed for r in _merged(g, flags)] == [([0], [g - 1])] * g
+    for k in range(len(_records(g))):
+        results = _merged(g, quiet, corrupt={k: g - 1})
+        assert [r.agreed for r in results] == [([g - 1], [])] * g, k
+        found = [[(d.op, d.receiver) for d in r.detections] for r in results]
+        op = _records(g)[k][0].call.op
+        assert found == [[]] * (g - 1) + [[(op, g - 1)]], (k, found)
+    # a receipt its rank could not take is not judged by anyone (that rank leaves it unchecked)
+    held = [_records(g, me) for me in range(g)]
+    held[1][0][0].failed = "checksums raised"
+    carried = sum(_carried([r for r, _ in held[me]], me, quiet[me]) for me in range(g))
+    assert carried.numel() == 2 * g + g * sum(1 + (2 * g if r.call.op == "all_gather" else r.received.numel())
+                                              for r, _ in held[0])
+    result = CollectiveResult()
+    CollectiveChecks._judge_all([r for r, _ in held[0]], [b for _, b in held[0]], carried, 3, list(range(g)), 0,
+                                result)
+    assert result.agreed == ([], [])
+
+
+def test_optimizer_step_agrees_its_flags_in_the_exchange_in_one_process(one_rank_group: None) -> None:
+    """A step driven by ``optimizer_step`` whose collectives are checked carries its flags
+    in the exchange (``Guard.agreed_flags``), a flagged all-reduce among them; one closed
+    by the ``protect()`` block (no flags to agree) or unchecked does not."""
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    buffer = _gradients(1)[0][: 2 * SEGMENT].clone()
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(torch.randn(2, 4)).sum()
+        loss.backward()
+        dist.all_reduce(buffer)
+        return loss
+
+    fault = sdc_guard.CollectiveFault(op="all_reduce", step=1, corruption="zero")
+    with sdc_guard.drill(model, fault), sdc_guard.protect(model, calibrate_every=None) as guard:
+        outcomes = [guard.optimizer_step(opt, closure) for _ in range(2)]
+        assert guard.agreed_flags is None  # the re-execution's exchange carries none
+    assert [o.flagged_ranks for o in outcomes] == [[], [0]]
+    assert [o.action for o in outcomes] == [None, "recompute"]
+    assert outcomes[1].report.detections[0].op == "all_reduce"
+    with sdc_guard.protect(model, calibrate_every=None) as guard:
+        guard.optimizer_step(opt, closure)
+        assert guard.agreed_flags == ([], [])
+        guard.end_step()
+        guard.begin_step()
+        model(torch.randn(2, 4)).sum().backward()
+        dist.all_reduce(buffer)
+        guard.step()
+        assert guard.agreed_flags is None
+    with sdc_guard.protect(model, collectives=False, calibrate_every=None) as guard:
+        assert not guard.optimizer_step(opt, closure).flagged_ranks
+        assert guard.agreed_flags is None
