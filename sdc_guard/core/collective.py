@@ -188,8 +188,7 @@ def pairs_bits(dtype: torch.dtype, numel: int) -> bool:
     """Whether shards of ``numel`` elements of ``dtype`` are read as 32-bit words
     (``bit_checksums``' ``wide``): a choice made from the dtype and size alone, so that the
     sender and every receiver read the same words."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return size != 2 or numel % 2 == 0
+    return dtype.itemsize != 2 or numel % 2 == 0
 
 
 def bit_checksums(x: Tensor, wide: bool, rows: int = 1) -> Tensor:

@@ -25,6 +25,7 @@ once the result is there, before anyone waiting on the collective sees it:
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -64,10 +65,6 @@ class Collective:
         return self.group.rank()
 
 
-def _c10d() -> Any:
-    return getattr(torch.ops, "c10d", None)
-
-
 def _functional() -> Any:
     return getattr(torch.ops, "_c10d_functional", None)
 
@@ -96,8 +93,7 @@ def collective_packets() -> frozenset[Any]:
 
 def is_wait(func: Any) -> bool:
     """Whether ``func`` is ``_c10d_functional.wait_tensor`` (a functional result is ready)."""
-    space = _functional()
-    return space is not None and func.overloadpacket is getattr(space, "wait_tensor", None)
+    return _kinds().get(func.overloadpacket) == "wait_tensor"
 
 
 def _reduce_kind(op: Any) -> int | None:
@@ -138,35 +134,57 @@ def describe(func: Any, args: tuple, kwargs: dict) -> Collective | None:
     """The collective ``func(*args, **kwargs)`` is (``None``: ``wait_tensor`` or an op this
     function does not know). Reads no tensor's data."""
     packet = func.overloadpacket
-    name = str(packet).split(".")[-1]
-    c10d, functional = _c10d(), _functional()
+    kind = _kinds().get(packet)
     try:
-        if c10d is not None and packet is c10d.allreduce_:
+        if kind == "allreduce_":
             tensors, group, op = args[0], _group(args[1]), _reduce_kind(args[2])
             sparse = args[3] if len(args) > 3 else kwargs.get("sparse_indices")
             if len(tensors) != 1 or sparse is not None:
-                return Collective(name, None, None, group, unchecked="tensor list")
+                return Collective(_name(packet), None, None, group, unchecked="tensor list")
             t = tensors[0].reshape(-1) if tensors[0].is_contiguous() else tensors[0]
             return _made("all_reduce", t, t, group, op, [tensors[0]])
-        if c10d is not None and packet is c10d._allgather_base_:
+        if kind == "_allgather_base_":
             out, inp, group = args[0], args[1], _group(args[2])
             return _made("all_gather", _flat(inp), _flat(out), group, None, [out, inp])
-        if c10d is not None and packet is c10d._reduce_scatter_base_:
+        if kind == "_reduce_scatter_base_":
             out, inp, group, op = args[0], args[1], _group(args[2]), _reduce_kind(args[3])
             return _made("reduce_scatter", _flat(inp), _flat(out), group, op, [out, inp])
-        if functional is not None and packet in (functional.all_reduce, functional.all_reduce_):
+        if kind == "all_reduce":
             inp = args[0]
             return _made("all_reduce", _flat(inp), None, _group(args[2]), _reduce_kind(args[1]), [inp], functional=True)
-        if functional is not None and packet is functional.all_gather_into_tensor:
+        if kind == "all_gather_into_tensor":
             return _made("all_gather", _flat(args[0]), None, _group(args[2]), None, [args[0]], functional=True)
-        if functional is not None and packet is functional.reduce_scatter_tensor:
+        if kind == "reduce_scatter_tensor":
             return _made("reduce_scatter", _flat(args[0]), None, _group(args[3]), _reduce_kind(args[1]), [args[0]],
                          functional=True)
     except (IndexError, TypeError, AttributeError):  # a schema this build changed: unchecked
-        return Collective(name, None, None, None, unchecked="schema")
-    if is_wait(func):
+        return Collective(_name(packet), None, None, None, unchecked="schema")
+    if kind == "wait_tensor":
         return None
-    return Collective(name, None, None, None, unchecked="op")
+    return Collective(_name(packet), None, None, None, unchecked="op")
+
+
+def _name(packet: Any) -> str:
+    return str(packet).split(".")[-1]
+
+
+@functools.cache
+def _kinds() -> dict[Any, str]:
+    """The packets ``describe`` knows, by what it does with them (``wait_tensor``'s too):
+    one dict lookup per collective instead of a chain of comparisons (the packets exist
+    for the whole process, so they are looked up once)."""
+    known = {"c10d": ("allreduce_", "_allgather_base_", "_reduce_scatter_base_"),
+             "_c10d_functional": ("all_reduce", "all_reduce_", "all_gather_into_tensor", "reduce_scatter_tensor",
+                                  "wait_tensor")}
+    kinds = {}
+    for namespace, names in known.items():
+        space = getattr(torch.ops, namespace, None)
+        for name in names:
+            try:
+                kinds[getattr(space, name)] = "all_reduce" if name == "all_reduce_" else name
+            except (AttributeError, RuntimeError):  # an op this build lacks
+                continue
+    return kinds
 
 
 def _flat(t: Tensor) -> Tensor:
@@ -235,7 +253,7 @@ def run_then(func: Any, args: tuple, kwargs: dict, call: Collective, done: Done,
         done(recv)
         return out
     once = _Once(lambda: done(recv))
-    from ...core.torch_private import PythonCallbackWork, create_work_from_future as _create_work_from_future
+    PythonCallbackWork, _create_work_from_future = _works()
     future = None
     if not waited and not isinstance(work, PythonCallbackWork):  # ours (a drill below): its future waits for wait()
         try:
@@ -266,6 +284,14 @@ def run_then(func: Any, args: tuple, kwargs: dict, call: Collective, done: Done,
         wrapped = _create_work_from_future(chained)
     boxed = dist.Work.boxed(wrapped)
     return (*out[:-1], boxed) if isinstance(out, tuple) else boxed
+
+
+@functools.cache
+def _works() -> tuple[Any, Any]:
+    """``PythonCallbackWork`` and ``_create_work_from_future`` (``core.torch_private``
+    imports them on first use), looked up once rather than at every collective."""
+    from ...core.torch_private import PythonCallbackWork, create_work_from_future
+    return PythonCallbackWork, create_work_from_future
 
 
 class _Once:
