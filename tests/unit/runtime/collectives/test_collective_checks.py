@@ -27,10 +27,9 @@ from sdc_guard.core.collective import (  # noqa: E402
     SEGMENT, bit_checksums, pairs_bits, reduction_bound, reduction_flags, segment_sizes, segment_sums,
 )
 from sdc_guard.metrics import GuardMetrics  # noqa: E402
-from sdc_guard.runtime.collectives.collective_checks import (  # noqa: E402
-    CollectiveChecks, CollectiveResult, Record, _carried, suspects,
-)
-from sdc_guard.runtime.collectives.collective_checks import verdict as collective_verdict  # noqa: E402
+from sdc_guard.runtime.collectives.collective_checks import CollectiveChecks, CollectiveResult, _carried  # noqa: E402
+from sdc_guard.runtime.collectives.verdicts import Record, judge_all, suspects  # noqa: E402
+from sdc_guard.runtime.collectives.verdicts import verdict as collective_verdict  # noqa: E402
 from sdc_guard.runtime.dispatch.collective_ops import Collective  # noqa: E402
 from sdc_guard.runtime.dispatch.ops import Route, route_of  # noqa: E402
 from sdc_guard.runtime.report import Detection, StepReport  # noqa: E402
@@ -587,8 +586,8 @@ def _merged(g: int, flags: list[tuple[bool, bool]], corrupt: dict[int, int] | No
     results = []
     for me in range(g):
         result = CollectiveResult()
-        CollectiveChecks._judge_all([r for r, _ in held[me]], [b for _, b in held[me]], carried, 3,
-                                    list(range(g)), me, result)
+        result.detections, result.agreed = judge_all([r for r, _ in held[me]], [b for _, b in held[me]], carried, 3,
+                                                     list(range(g)), me)
         results.append(result)
     return results
 
@@ -617,10 +616,8 @@ def test_every_rank_judges_every_ranks_receipts_alike_from_the_merged_exchange(g
     carried = sum(_carried([r for r, _ in held[me]], me, quiet[me]) for me in range(g))
     assert carried.numel() == 2 * g + g * sum(1 + (2 * g if r.call.op == "all_gather" else r.received.numel())
                                               for r, _ in held[0])
-    result = CollectiveResult()
-    CollectiveChecks._judge_all([r for r, _ in held[0]], [b for _, b in held[0]], carried, 3, list(range(g)), 0,
-                                result)
-    assert result.agreed == ([], [])
+    mine, agreed = judge_all([r for r, _ in held[0]], [b for _, b in held[0]], carried, 3, list(range(g)), 0)
+    assert (mine, agreed) == ([], ([], []))
 
 
 def test_optimizer_step_agrees_its_flags_in_the_exchange_in_one_process(one_rank_group: None) -> None:
