@@ -19,6 +19,19 @@ def noisy_op(x: Tensor, w: Tensor) -> Tensor:
     return x @ w + 1e-3 * torch.randn(x.shape[0], w.shape[1])
 
 
+def split_k_by_batch(x: Tensor, w: Tensor) -> Tensor:
+    """``x @ w`` with the reduction over K split in two when the batch has more than one
+    row, as a BLAS's blocking or a GPU's split-K picks its order by shape: each row's
+    result then changes with M, never with the other rows' values. A batch-variant GEMM by
+    construction, on any host (whether the host's own ``torch.mm`` is batch-variant
+    depends on its BLAS and instruction set: MKL's AVX-512 kernels are, its AVX2 ones not
+    always)."""
+    if x.shape[0] == 1:
+        return x @ w
+    k = x.shape[1] // 2
+    return x[:, :k] @ w[:k] + x[:, k:] @ w[k:]
+
+
 def raising_op(x: Tensor, w: Tensor) -> Tensor:
     """Always raises."""
     raise RuntimeError("injected failure")

@@ -17,6 +17,7 @@ from sdc_guard.tools import cli
 from sdc_guard.bi.report import BIReport
 from sdc_guard.bi.suites import verify_suite
 
+from bi_ops import split_k_by_batch
 from paths import ROOT, SUPPORT
 
 OPS = SUPPORT / "bi_ops.py"
@@ -56,9 +57,11 @@ def test_softmax_over_rows_fails_every_cell():
     assert "BI_FAIL" in failing.describe() and a.shas[0][:16] in failing.describe()
 
 
-def test_cpu_fp32_mm_fails_batch_size_and_passes_composition():
-    """Measured on this machine: the row results of CPU fp32 torch.mm change with M, never with the other rows."""
-    report = bi.check(torch.mm, CELLS, dtype=torch.float32, **FAST)
+def test_a_gemm_split_by_batch_size_fails_batch_size_and_passes_composition():
+    """A GEMM whose order follows M (``bi_ops.split_k_by_batch``) fails batch-size mode,
+    M = 1 against the whole batch, and passes composition mode (its rows never depend on
+    the other rows' values); the host's torch.mm passes composition too, whatever its BLAS."""
+    report = bi.check(split_k_by_batch, CELLS, dtype=torch.float32, **FAST)
     assert statuses(report, mode="composition") == {"BI_PASS"}
     assert statuses(report, mode="batch-size") == {"BI_FAIL"}
     batch = [c for c in report.cells if c.mode == "batch-size"]
@@ -128,14 +131,15 @@ def test_op_gets_fresh_copies_each_trial():
 
 
 def test_small_integer_data_is_flagged_vacuous():
-    """On small integers every order sums exactly: torch.mm then 'passes' batch-size mode, and is flagged."""
+    """On small integers every order sums exactly: a batch-variant GEMM then 'passes'
+    batch-size mode, and is flagged."""
     with pytest.warns(bi.VacuousInputWarning, match="order-insensitive"):
-        report = bi.check(torch.mm, CELLS, data="small-int", **FAST)
+        report = bi.check(split_k_by_batch, CELLS, data="small-int", **FAST)
     assert statuses(report, mode="batch-size") == {"BI_PASS"}
     assert all(c.vacuous for c in report.cells) and report.warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error", bi.VacuousInputWarning)
-        wide = bi.check(torch.mm, CELLS, **FAST)
+        wide = bi.check(split_k_by_batch, CELLS, **FAST)
     assert not any(c.vacuous for c in wide.cells) and not wide.warnings
     assert statuses(wide, mode="batch-size") == {"BI_FAIL"}
 
@@ -213,10 +217,10 @@ def test_cli_matmul_exit_status_follows_bi_fail(tmp_path, capsys):
     assert "expected cells: 6" in out
     path = tmp_path / "mm.json"
     rc, out = run_cli(["--suite", "matmul", "--dtype", "float32", "--mode", "batch-size", "--json", str(path),
-                       *small], capsys)
-    assert rc == 1 and out.splitlines()[-1] == "result: BI_PASS=0 BI_FAIL=6 NON_DET=0 ERROR=0 SKIP=0"
+                       "--op", f"{OPS}:split_k_by_batch", *small], capsys)
+    assert rc == 1 and out.splitlines()[-1] == "result: BI_PASS=0 BI_FAIL=3 NON_DET=0 ERROR=0 SKIP=0"
     cells = json.loads(path.read_text())["result"]["cells"]
-    assert {(c["op"], c["status"]) for c in cells} == {("torch.mm", "BI_FAIL"), ("F.linear", "BI_FAIL")}
+    assert {(c["op"], c["status"]) for c in cells} == {(f"{OPS}:split_k_by_batch", "BI_FAIL")}
     rc, out = run_cli(["--suite", "matmul", "--dtype", "float32", "--op", f"{OPS}:noisy_op", *small], capsys)
     assert rc == 0 and "NON_DET=6" in out.splitlines()[-1]
     rc, out = run_cli(["--suite", "matmul", "--dtype", "float32", "--op", f"{OPS}:raising_op", *small], capsys)
@@ -297,6 +301,10 @@ def test_example_script_reports_summary_line():
     assert ok.stdout.splitlines()[-1] == "result: BI_PASS=3 BI_FAIL=0 NON_DET=0 ERROR=0 SKIP=0"
     both = subprocess.run([sys.executable, str(script), *small], capture_output=True, text=True, timeout=120,
                           env=env)
-    assert both.returncode == 1
-    assert both.stdout.splitlines()[-1] == "result: BI_PASS=3 BI_FAIL=3 NON_DET=0 ERROR=0 SKIP=0"
-    assert "batch-size" in both.stdout and "cells: expected 6, counted 6" in both.stdout
+    # batch-size mode: BI_FAIL where the host's BLAS picks its order by M (MKL's AVX-512
+    # kernels do at these shapes, its AVX2 ones not always): the exit status follows it
+    counts = dict(item.split("=") for item in both.stdout.splitlines()[-1].removeprefix("result: ").split())
+    failed = int(counts["BI_FAIL"])
+    assert counts == {"BI_PASS": str(6 - failed), "BI_FAIL": str(failed), "NON_DET": "0", "ERROR": "0", "SKIP": "0"}
+    assert failed <= 3 and both.returncode == (1 if failed else 0)
+    assert ("batch-size" in both.stdout) == bool(failed) and "cells: expected 6, counted 6" in both.stdout
