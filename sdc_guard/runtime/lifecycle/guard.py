@@ -122,10 +122,8 @@ class Guard(CheckIntake):
         #: check the step's collectives (``runtime/collectives/collective_checks.py``), where they can be
         self.collectives = config.collectives
         self.collective_checks = CollectiveChecks(self._sites, self.module_names, self._warn_once)
-        #: the last closed step's flagged and tripped global ranks, identical on every rank,
-        #: when its collectives' exchange carried them (``end_step(tripped=...)``); None
-        #: otherwise, on every rank alike: then they take their own collective
-        #: (``respond/distributed.step_flags``; ``GuardedStep.run``)
+        #: the last closed step's flagged and tripped global ranks when its collectives'
+        #: exchange carried them (``end_step(tripped=...)``); None on every rank alike else
         self.agreed_flags: tuple[list[int], list[int]] | None = None
 
     # --- step lifecycle ------------------------------------------------------------------
@@ -222,9 +220,8 @@ class Guard(CheckIntake):
         """Close the open step: read its flags (one host sync) and report it.
         ``closure_raised``: ``optimizer_step``'s closure raised (the step was not screened
         for that reason, not for a missing ``optimizer_step``). ``tripped``: this rank's
-        gradient screen tripped (``False`` without a screen), from ``optimizer_step``,
-        which agrees the step's flags across ranks: the collectives' exchange carries them
-        where it can, and ``agreed_flags`` says who flagged (None: it could not)."""
+        gradient screen tripped, from ``optimizer_step``: the collectives' exchange then
+        carries the step's flags where it can (``agreed_flags``; None: it could not)."""
         if closure_raised:
             self._screening.excuse()
             self.collective_checks.abandon()
@@ -248,8 +245,7 @@ class Guard(CheckIntake):
         module_hook = module_hook_seconds() if self._ledger.module_calls else 0.0
         collectives = None
         if self.collective_checks.pending:  # every rank of a group closes alike
-            # the flags to agree: the GEMMs' read now (the report reads them again, cached)
-            flags = None if tripped is None else (self._ledger.gemms_flagged(), tripped)
+            flags = None if tripped is None else (self._ledger.gemms_flagged(), tripped)  # read once
             collectives = self.collective_checks.close(self.step_index, self.rank, flags)
             self._ledger.hook_seconds += collectives.seconds
             self.agreed_flags = collectives.agreed
