@@ -20,16 +20,16 @@ def noisy_op(x: Tensor, w: Tensor) -> Tensor:
 
 
 def split_k_by_batch(x: Tensor, w: Tensor) -> Tensor:
-    """``x @ w`` with the reduction over K split in two when the batch has more than one
-    row, as a BLAS's blocking or a GPU's split-K picks its order by shape: each row's
-    result then changes with M, never with the other rows' values. A batch-variant GEMM by
-    construction, on any host (whether the host's own ``torch.mm`` is batch-variant
-    depends on its BLAS and instruction set: MKL's AVX-512 kernels are, its AVX2 ones not
-    always)."""
+    """``x @ w`` by another algorithm when the batch has more than one row (accumulated in
+    fp64, then rounded), as a kernel that picks its tiling, split-K or accumulator by
+    shape does: each row's result then changes with M, never with the other rows' values.
+    A batch-variant GEMM by construction, on any host (whether the host's own
+    ``torch.mm`` is batch-variant depends on its BLAS, its instruction set and its
+    threads: MKL's AVX-512 kernels are at the tests' shapes, its AVX2 ones not always;
+    an even split of K can coincide with a BLAS's own two-thread split)."""
     if x.shape[0] == 1:
         return x @ w
-    k = x.shape[1] // 2
-    return x[:, :k] @ w[:k] + x[:, k:] @ w[k:]
+    return (x.double() @ w.double()).to(x.dtype)
 
 
 def raising_op(x: Tensor, w: Tensor) -> Tensor:
