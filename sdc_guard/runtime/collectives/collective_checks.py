@@ -59,6 +59,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -66,7 +67,7 @@ from ...core.torch_private import DisableTorchFunction, disable_current_modes
 
 from ...backends.native import collective_bits_into, collective_sums_into
 from ...core.collective import (
-    bit_checksums, exchange_layout_digest, pairs_bits, segment_sums, segments,
+    bit_checksums, exchange_layout_digest, host, pairs_bits, segment_sums, segments,
 )
 from ..dispatch.collective_ops import OPS, Collective, Pending, describe, is_wait, run_then
 from .verdicts import Record, judge_all, receipt_slots, suspects, verdict
@@ -338,20 +339,13 @@ class CollectiveChecks:
         layout = [(_KIND[r.call.op], r.slots) for r in records]
         carried = _carried(records, group.rank(), flags) if flags is not None else None
         if carried is not None:  # a layout of its own: ranks that disagree on merging see it
-            layout.append((len(_KIND), carried.numel()))
+            layout.append((len(_KIND), carried.size))
         digest = exchange_layout_digest(layout)
-        header = torch.tensor([1.0, float(step), float(len(records)), digest], dtype=torch.float64, device=device)
-        # what this rank sent, even when its own result could not be checked: the others need it
-        parts = [header] + [r.sent.to(device) if r.sent is not None
-                            else torch.full((r.slots,), math.nan, dtype=torch.float64, device=device)
-                            for r in records]
-        if carried is not None:
-            parts.append(carried.to(device))
         began = time.perf_counter()
         try:
-            exchanged = torch.cat(parts)
+            exchanged = _gathered(records, [1.0, float(step), float(len(records)), digest], carried, device)
             dist.all_reduce(exchanged, group=group)
-            values = exchanged.cpu()
+            values = exchanged.cpu().numpy()
             result.exchange_seconds += time.perf_counter() - began
             result.exchanged += exchanged.numel()
         except Exception as exc:  # a broken group: the step's collectives go unchecked
@@ -373,8 +367,8 @@ class CollectiveChecks:
             return
         offset = 4
         ranks = dist.get_process_group_ranks(group)
-        checked: list[tuple[Record, Tensor]] = []
-        blocks: list[Tensor] = []
+        checked: list[tuple[Record, np.ndarray]] = []
+        blocks: list[np.ndarray] = []
         for r in records:
             block = values[offset: offset + r.slots]
             offset += r.slots
@@ -421,12 +415,25 @@ def _carrier(by_group: dict[str, list[Record]]) -> str | None:
     return None
 
 
-def _carried(records: list[Record], me: int, flags: tuple[bool, bool]) -> Tensor:
+def _gathered(records: list[Record], header: list[float], carried: np.ndarray | None,
+              device: torch.device) -> Tensor:
+    """The exchange as this rank sends it, on ``device``: the header, what this rank sent
+    for each record (NaN where its checksums failed: the others need its part even then),
+    then ``carried``. Put together in numpy on the host (one concatenation, not a tensor
+    per part)."""
+    parts = [np.array(header)] + [host(r.sent) if r.sent is not None else np.full(r.slots, math.nan)
+                                  for r in records]
+    if carried is not None:
+        parts.append(carried)
+    return torch.from_numpy(np.concatenate(parts)).to(device)
+
+
+def _carried(records: list[Record], me: int, flags: tuple[bool, bool]) -> np.ndarray:
     """This rank's part of what the carrier's exchange carries beyond the senders'
     checksums, zeros in every other rank's slots: [g x 2] step flags, then per record
     [g x (1 + receipt)] (1 and this rank's receiver checksums where it has them, else 0)."""
     g = records[0].call.group_size
-    carried = torch.zeros(2 * g + g * sum(1 + receipt_slots(r) for r in records), dtype=torch.float64)
+    carried = np.zeros(2 * g + g * sum(1 + receipt_slots(r) for r in records))
     carried[2 * me], carried[2 * me + 1] = float(flags[0]), float(flags[1])
     offset = 2 * g
     for r in records:
@@ -436,7 +443,7 @@ def _carried(records: list[Record], me: int, flags: tuple[bool, bool]) -> Tensor
         offset += g * (1 + n)
         try:  # never raises: every rank must join the exchange with a part of this size
             if received is not None and received.numel() == n:
-                carried[start + 1: start + 1 + n] = received.reshape(-1).to(device="cpu", dtype=torch.float64)
+                carried[start + 1: start + 1 + n] = host(received).reshape(-1)
                 carried[start] = 1.0
         except Exception:  # left invalid (0): unjudged, as this rank leaves it unchecked
             carried[start: start + 1 + n] = 0.0

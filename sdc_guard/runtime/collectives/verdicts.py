@@ -10,6 +10,10 @@ so every rank learns who flagged: docs/DISTRIBUTED.md, "One collective per step"
 Why a module of its own: the verdicts are the checks' arithmetic (the reduction's rigorous
 bound, ``core/collective.reduction_flags``; the all-gather's exact bit sums), read and
 tested apart from the records' life on the training and backend threads.
+
+Everything here is host arithmetic in numpy on a few fp64 numbers per segment or shard
+(``core/collective.reduction_flags`` says why not torch); the exchange's numbers and the
+receivers' checksums are read as numpy arrays (``host``), CPU tensors without a copy.
 """
 
 from __future__ import annotations
@@ -20,16 +24,17 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from ...core.collective import reduction_flags, segment_sizes, segments
+from ...core.collective import ArrayLike, host, reduction_clear, reduction_flags, segment_sizes, segments
 from ...report import Detection
 from ..dispatch.collective_ops import Collective
 
 #: a record's checked receipt, as ``suspect_receipts`` and ``verdict`` judge it: the record, its
-#: block of the exchange, the receiver's checksums and the receiver's rank in the group
-Receipt = tuple["Record", Tensor, Tensor, int]
+#: block of the exchange, the receiver's checksums (fp64, host) and the receiver's rank in the group
+Receipt = tuple["Record", np.ndarray, np.ndarray, int]
 
 
 @dataclass
@@ -61,7 +66,7 @@ def receipt_slots(r: Record) -> int:
     return 2 * (r.call.group_size if r.call.op == "all_gather" else segments(r.numel))
 
 
-def judge_all(records: list[Record], blocks: list[Tensor], carried: Tensor, step: int, ranks: list[int],
+def judge_all(records: list[Record], blocks: list[ArrayLike], carried: ArrayLike, step: int, ranks: list[int],
               me: int) -> tuple[list[Detection], tuple[list[int], list[int]]]:
     """The carrier's verdicts: every rank's receipt of every record, judged from the
     exchange alone (the same numbers on every rank, so the same verdicts). Returns this
@@ -70,16 +75,17 @@ def judge_all(records: list[Record], blocks: list[Tensor], carried: Tensor, step
     could not take (its slot's first number 0) is not judged, as that rank leaves
     it unchecked; nothing local to this rank (its own failures) decides the others'."""
     g = len(ranks)
-    step_flags = (carried[: 2 * g].view(g, 2) > 0.5).tolist()  # one read, not one per rank
+    carried = host(carried)
+    step_flags = (carried[: 2 * g].reshape(g, 2) > 0.5).tolist()  # one read, not one per rank
     flagged = {ranks[k] for k in range(g) if step_flags[k][0]}
     tripped = sorted(ranks[k] for k in range(g) if step_flags[k][1])
     offset, receipts, mine = 2 * g, [], []
     for r, block in zip(records, blocks):
         width = 1 + receipt_slots(r)
-        rows = carried[offset: offset + g * width].view(g, width)
+        rows = carried[offset: offset + g * width].reshape(g, width)
         offset += g * width
-        valid = (rows[:, 0] > 0.5).tolist()
-        receipts.extend((r, block, rows[k, 1:], k) for k in range(g) if valid[k])
+        block = host(block)
+        receipts.extend((r, block, rows[k, 1:], k) for k in np.flatnonzero(rows[:, 0] > 0.5).tolist())
     for r, block, received, k in suspect_receipts(receipts):
         detection = verdict(r, block, step, ranks[k], ranks, received=received, me=k)
         if detection is not None:
@@ -89,18 +95,18 @@ def judge_all(records: list[Record], blocks: list[Tensor], carried: Tensor, step
     return mine, (sorted(flagged), tripped)
 
 
-def suspects(checked: list[tuple[Record, Tensor]]) -> list[tuple[Record, Tensor]]:
+def suspects(checked: list[tuple[Record, ArrayLike]]) -> list[tuple[Record, ArrayLike]]:
     """The checked records (each with its block of the exchange) that one vectorised pass
     cannot clear, in their order: those of every kind of collective (the all-gathers; the
     reductions of one dtype, group size and scale) where any segment or shard mismatches,
-    or whose checksums live apart. ``verdict`` then judges each of them alone; its verdict
-    on a record the pass cleared would be None, since the pass computes the same
-    comparisons, segment by segment, only on the records' rows put end to end.
+    or whose checksums do not line up. ``verdict`` then judges each of them
+    alone; its verdict on a record the pass cleared would be None, since the pass computes
+    the same comparisons, segment by segment, only on the records' rows put end to end.
 
-    Why: the verdicts are a few dozen tensor operations each, and a step checks many
+    Why: the verdicts are a dozen array operations each, and a step checks many
     collectives (FSDP2: two per parameter group and step, plus the backward's
     all-gathers); one pass per kind costs what one record did."""
-    receipts = [(r, block, r.received, r.call.group_rank) for r, block in checked]
+    receipts = [(r, host(block), host(r.received), r.call.group_rank) for r, block in checked]
     kept = {id(x) for x in suspect_receipts(receipts)}
     return [pair for pair, x in zip(checked, receipts) if id(x) in kept]
 
@@ -117,7 +123,7 @@ def suspect_receipts(receipts: list[Receipt]) -> list[Receipt]:
     for key, members in kinds.items():
         try:
             clear = _clear(key, members)
-        except Exception:  # checksums on several devices, say: each record judged alone
+        except Exception:  # checksums that do not line up, say: each record judged alone
             clear = False
         if not clear:
             flagged.update(id(x) for x in members)
@@ -126,15 +132,16 @@ def suspect_receipts(receipts: list[Receipt]) -> list[Receipt]:
 
 def _clear(key: tuple[Any, ...], members: list[Receipt]) -> bool:
     """Whether every receipt of one kind passes (``suspects``): ``verdict``'s comparisons
-    on all their rows at once. A receipt whose checksums have not the rows its block
+    on all their rows at once (for reductions, ``reduction_clear``: what a clean step needs
+    of them; a receipt it does not clear goes to ``verdict``). A receipt whose checksums have not the rows its block
     expects is never cleared here (its rows would shift its neighbours')."""
     rows = [r.call.group_size if r.call.op == "all_gather" else segments(r.numel) for r, _, _, _ in members]
-    if any(received.numel() != 2 * n for (_, _, received, _), n in zip(members, rows)):
+    if any(received.size != 2 * n for (_, _, received, _), n in zip(members, rows)):
         return False
-    received = torch.cat([received.to(torch.float64).reshape(-1, 2) for _, _, received, _ in members]).cpu()
+    received = np.concatenate([received.reshape(-1) for _, _, received, _ in members]).reshape(-1, 2)
     if key[0] == "all_gather":
-        sent = torch.cat([block for _, block, _, _ in members]).view(-1, 2)
-        return not bool(((received != sent) & torch.isfinite(sent)).any())
+        sent = np.concatenate([block for _, block, _, _ in members]).reshape(-1, 2)
+        return not bool(((received != sent) & np.isfinite(sent)).any())
     dtype, g, scale = key
     expected, magnitudes = [], []
     for r, block, _, me in members:
@@ -145,20 +152,21 @@ def _clear(key: tuple[Any, ...], members: list[Receipt]) -> bool:
         else:
             expected.append(block[2 * nseg * me: 2 * nseg * (me + 1)])
             magnitudes.append(block[2 * g * nseg + nseg * me: 2 * g * nseg + nseg * (me + 1)])
-    corrupt, _, _ = reduction_flags(received, torch.cat(expected).view(-1, 2), torch.cat(magnitudes),
-                                    _sizes(tuple(r.numel for r, _, _, _ in members)), dtype, g, scale)
-    return not bool(corrupt.any())
+    return reduction_clear(received, np.concatenate(expected).reshape(-1, 2), np.concatenate(magnitudes),
+                           _sizes(tuple(r.numel for r, _, _, _ in members)), dtype, g, scale)
 
 
 @functools.lru_cache(maxsize=256)
-def _sizes(numels: tuple[int, ...]) -> Tensor:
-    """Elements per segment of collectives of ``numels`` elements, end to end (fp64, CPU;
-    read only): the same layouts come back every step."""
-    return torch.cat([segment_sizes(n) for n in numels])
+def _sizes(numels: tuple[int, ...]) -> np.ndarray:
+    """Elements per segment of collectives of ``numels`` elements, end to end (fp64; read
+    only): the same layouts come back every step."""
+    sizes = np.concatenate([segment_sizes(n) for n in numels])
+    sizes.setflags(write=False)
+    return sizes
 
 
-def verdict(r: Record, block: Tensor, step: int, rank: int, ranks: list[int], *,
-            received: Tensor | None = None, me: int | None = None) -> Detection | None:
+def verdict(r: Record, block: ArrayLike, step: int, rank: int, ranks: list[int], *,
+            received: ArrayLike | None = None, me: int | None = None) -> Detection | None:
     """This rank's verdict on one collective: a detection, or None when what it received
     is what was sent. ``ranks``: the group's global ranks, by group rank. ``received`` and
     ``me``: another receipt's checksums and its receiver's group rank (``rank`` then the
@@ -166,12 +174,12 @@ def verdict(r: Record, block: Tensor, step: int, rank: int, ranks: list[int], *,
     call = r.call
     g = call.group_size
     me = call.group_rank if me is None else me
-    received = (r.received if received is None else received).cpu().reshape(-1, 2)
+    received = host(r.received if received is None else received).reshape(-1, 2)
+    block = host(block)
     if call.op == "all_gather":
-        sent = block.view(g, 2)
+        sent = block.reshape(g, 2)
         # a sender whose checksums failed sent NaN: its shard is unverifiable, not corrupt
-        bad = ((received.to(torch.float64) != sent) & torch.isfinite(sent)).any(1)
-        shards = torch.nonzero(bad).flatten().tolist()
+        shards = np.flatnonzero(((received != sent) & np.isfinite(sent)).any(1)).tolist()
         if not shards:
             return None
         return Detection(step, r.label, call.op, r.phase, [], shards, math.inf, (r.numel,),
@@ -179,14 +187,14 @@ def verdict(r: Record, block: Tensor, step: int, rank: int, ranks: list[int], *,
                          [ranks[j] for j in shards], rank)
     nseg = segments(r.numel)
     if call.op == "all_reduce":
-        expected, magnitudes = block[: 2 * nseg].view(nseg, 2), block[2 * nseg:]
+        expected, magnitudes = block[: 2 * nseg].reshape(nseg, 2), block[2 * nseg:]
     else:
-        expected = block[: 2 * g * nseg].view(g, nseg, 2)[me]
-        magnitudes = block[2 * g * nseg:].view(g, nseg)[me]
+        expected = block[: 2 * g * nseg].reshape(g, nseg, 2)[me]
+        magnitudes = block[2 * g * nseg:].reshape(g, nseg)[me]
     corrupt, _, ratio = reduction_flags(received, expected, magnitudes, segment_sizes(r.numel), r.dtype, g, call.scale)
-    flagged = torch.nonzero(corrupt).flatten().tolist()
+    flagged = np.flatnonzero(corrupt).tolist()
     if not flagged:
         return None
-    worst = float(ratio[corrupt].max()) if bool(torch.isfinite(ratio[corrupt]).all()) else math.inf
+    worst = float(ratio[corrupt].max()) if bool(np.isfinite(ratio[corrupt]).all()) else math.inf
     return Detection(step, r.label, call.op, r.phase, [], flagged, worst, (r.numel,),
                      str(r.dtype).removeprefix("torch."), r.call_index, rank, "collective", sorted(ranks), rank)

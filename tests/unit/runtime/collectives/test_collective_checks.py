@@ -13,6 +13,7 @@ import math
 import socket
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,7 +25,8 @@ import sdc_guard  # noqa: E402
 from sdc_guard.backends import native  # noqa: E402
 from models import TinyGPT, lm_batch  # noqa: E402
 from sdc_guard.core.collective import (  # noqa: E402
-    SEGMENT, bit_checksums, pairs_bits, reduction_bound, reduction_flags, segment_sizes, segment_sums,
+    SEGMENT, bit_checksums, pairs_bits, reduction_bound, reduction_clear, reduction_flags, segment_sizes,
+    segment_sums,
 )
 from sdc_guard.metrics import GuardMetrics  # noqa: E402
 from sdc_guard.runtime.collectives.collective_checks import CollectiveChecks, CollectiveResult, _carried  # noqa: E402
@@ -113,7 +115,7 @@ def test_a_single_wrong_element_is_caught(dtype: torch.dtype, ranks: int, larges
         wrong = result.clone()
         wrong[i] = wrong[i] + largest * mean
         corrupt, _, _ = _verdict(xs, wrong, dtype, False)
-        assert corrupt.nonzero().flatten().tolist() == [i // SEGMENT], i
+        assert np.flatnonzero(corrupt).tolist() == [i // SEGMENT], i
         flipped = result.clone()
         bits = flipped.view(torch.int32 if dtype == torch.float32 else torch.int16)
         bits[i] ^= 1 << (30 if dtype == torch.float32 else 14)
@@ -137,12 +139,42 @@ def test_non_finite_values() -> None:
     assert not corrupt.any() and unverifiable.all()
 
 
+def test_the_clearing_comparison_clears_only_what_the_flags_pass() -> None:
+    """``reduction_clear`` (the verdicts' pass over a clean step): true on a correct
+    reduction of real gradients, false wherever ``reduction_flags`` finds a corrupt segment
+    (one wrong element, a NaN) and where a sender's overflow leaves a segment unverifiable
+    (never cleared unseen: ``reduction_flags`` then decides)."""
+    xs = [x.to(torch.float32) for x in _gradients(2)]
+
+    def both(senders: list[torch.Tensor], result: torch.Tensor) -> tuple[bool, np.ndarray, np.ndarray]:
+        sent = [segment_sums(x, with_abs=True) for x in senders]
+        args = (segment_sums(result, with_abs=False)[0], sum(s for s, _ in sent), sum(a for _, a in sent),
+                segment_sizes(result.numel()), torch.float32, 2, 1)
+        corrupt, unverifiable, _ = reduction_flags(*args)
+        return reduction_clear(*args), corrupt, unverifiable
+
+    clear, corrupt, _ = both(xs, xs[0] + xs[1])
+    assert clear and not corrupt.any()
+    wrong = xs[0] + xs[1]
+    wrong[SEGMENT + 5] += 0.1 * float(wrong.abs().mean())
+    clear, corrupt, _ = both(xs, wrong)
+    assert not clear and np.flatnonzero(corrupt).tolist() == [1]
+    nan = xs[0] + xs[1]
+    nan[3] = math.nan
+    clear, corrupt, _ = both(xs, nan)
+    assert not clear and np.flatnonzero(corrupt).tolist() == [0]
+    bad = xs[0].clone()
+    bad[7] = math.inf
+    clear, corrupt, unverifiable = both([bad, xs[1]], bad + xs[1])
+    assert not clear and not corrupt.any() and np.flatnonzero(unverifiable).tolist() == [0]
+
+
 def test_the_bound_in_numbers() -> None:
     """The bound's scale: two fp32 ranks, one full segment of unit magnitudes: the two
     roundings of the checksums' fp32 partials dominate the reduction's own (2^-24)."""
     bound = reduction_bound(torch.tensor([2.0 * SEGMENT], dtype=torch.float64), segment_sizes(SEGMENT),
                             torch.float32, 2, 1)
-    assert 2.0 ** -24 * 2 * SEGMENT < float(bound) < 3e-5 * 2 * SEGMENT
+    assert 2.0 ** -24 * 2 * SEGMENT < float(bound[0]) < 3e-5 * 2 * SEGMENT
 
 
 def test_segment_sums_are_exact_to_their_own_rounding() -> None:
@@ -171,7 +203,7 @@ def test_a_zeroed_segment_that_sums_to_zero_is_caught() -> None:
         zeroed = result.clone()
         zeroed[:SEGMENT] = 0
         corrupt, _, _ = _verdict(xs, zeroed, dtype, False)
-        assert corrupt.nonzero().flatten().tolist() == [0], dtype
+        assert np.flatnonzero(corrupt).tolist() == [0], dtype
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -410,7 +442,7 @@ def test_native_sums_stay_within_the_bound_and_catch_a_wrong_element(dtype: torc
         wrong[i] = wrong[i] + 400.0 * float(result.abs().double().mean())
         corrupt, _, _ = reduction_flags(receiver(wrong, with_abs=False)[0], expected, magnitudes, sizes, dtype,
                                         ranks, scale)
-        assert corrupt.nonzero().flatten().tolist() == [1], (senders, receiver)
+        assert np.flatnonzero(corrupt).tolist() == [1], (senders, receiver)
 
 
 @needs_native
@@ -614,7 +646,7 @@ def test_every_rank_judges_every_ranks_receipts_alike_from_the_merged_exchange(g
     held = [_records(g, me) for me in range(g)]
     held[1][0][0].failed = "checksums raised"
     carried = sum(_carried([r for r, _ in held[me]], me, quiet[me]) for me in range(g))
-    assert carried.numel() == 2 * g + g * sum(1 + (2 * g if r.call.op == "all_gather" else r.received.numel())
+    assert carried.size == 2 * g + g * sum(1 + (2 * g if r.call.op == "all_gather" else r.received.numel())
                                               for r, _ in held[0])
     mine, agreed = judge_all([r for r, _ in held[0]], [b for _, b in held[0]], carried, 3, list(range(g)), 0)
     assert (mine, agreed) == ([], ([], []))
