@@ -395,10 +395,17 @@ class CollectiveChecks:
                     key = f"{r.call.op}[verdict]"
                     result.unchecked[key] = result.unchecked.get(key, 0) + 1
             return
-        for r, block in suspects(checked):
-            detection = verdict(r, block, step, rank, ranks)
-            if detection is not None:
-                result.detections.append(detection)
+        try:  # this rank's own verdicts (its flags then take their collective, as every rank's)
+            for r, block in suspects(checked):
+                detection = verdict(r, block, step, rank, ranks)
+                if detection is not None:
+                    result.detections.append(detection)
+        except Exception as exc:  # monitoring never stops training
+            self._warn(f"collective-verdict:{type(exc).__name__}", f"sdc_guard: could not judge the "
+                       f"collectives' checksums ({type(exc).__name__}: {exc}); they go unchecked")
+            for r, _ in checked:
+                key = f"{r.call.op}[verdict]"
+                result.unchecked[key] = result.unchecked.get(key, 0) + 1
 
 
 def _carrier(by_group: dict[str, list[Record]]) -> str | None:

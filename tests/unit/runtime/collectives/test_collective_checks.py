@@ -652,6 +652,46 @@ def test_every_rank_judges_every_ranks_receipts_alike_from_the_merged_exchange(g
     assert (mine, agreed) == ([], ([], []))
 
 
+@pytest.mark.parametrize("route", ["own verdicts", "carrier"])
+def test_a_failing_verdict_warns_and_leaves_the_step_unchecked(one_rank_group: None, monkeypatch: pytest.MonkeyPatch,
+                                                              route: str) -> None:
+    """The verdicts themselves raising (a bug, checksums of a shape they cannot read) is a
+    monitoring failure too: the step closes, its collectives count as unchecked
+    (``[verdict]``), one warning says why, and training goes on. Both routes: a step closed
+    by the block judges its own receipts (``suspects``), one run by ``optimizer_step`` the
+    world's (``judge_all``)."""
+    import sdc_guard.runtime.collectives.collective_checks as checks
+
+    def broken(*args, **kwargs):
+        raise ValueError("cannot read these checksums")
+
+    monkeypatch.setattr(checks, "suspects" if route == "own verdicts" else "judge_all", broken)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    buffer = _gradients(1)[0][: 2 * SEGMENT].clone()
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(torch.randn(2, 4)).sum()
+        loss.backward()
+        dist.all_reduce(buffer)
+        return loss
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with sdc_guard.protect(model, calibrate_every=None) as guard:
+                if route == "carrier":
+                    outcome = guard.optimizer_step(opt, closure)
+                    assert outcome.flagged_ranks == [] and guard.agreed_flags is None
+                else:
+                    closure()
+            assert guard.last_report.collectives_unchecked == {"all_reduce[verdict]": 1}
+            assert guard.last_report.detections == []
+    said = [str(w.message) for w in caught if "could not judge" in str(w.message)]
+    assert len(said) == 1 and "cannot read these checksums" in said[0]
+
+
 def test_optimizer_step_agrees_its_flags_in_the_exchange_in_one_process(one_rank_group: None) -> None:
     """A step driven by ``optimizer_step`` whose collectives are checked carries its flags
     in the exchange (``Guard.agreed_flags``), a flagged all-reduce among them; one closed
