@@ -652,6 +652,22 @@ def test_every_rank_judges_every_ranks_receipts_alike_from_the_merged_exchange(g
     assert (mine, agreed) == ([], ([], []))
 
 
+def _all_reducing_closure(model: torch.nn.Module, opt: torch.optim.Optimizer):
+    """A training step's closure that also all-reduces a buffer of real gradients (one
+    checked collective a step), its inputs drawn from a seeded generator."""
+    buffer = _gradients(1)[0][: 2 * SEGMENT].clone()
+    gen = torch.Generator().manual_seed(11)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(torch.randn(2, 4, generator=gen)).sum()
+        loss.backward()
+        dist.all_reduce(buffer)
+        return loss
+
+    return closure
+
+
 @pytest.mark.parametrize("route", ["own verdicts", "carrier"])
 def test_a_failing_verdict_warns_and_leaves_the_step_unchecked(one_rank_group: None, monkeypatch: pytest.MonkeyPatch,
                                                               route: str) -> None:
@@ -668,14 +684,7 @@ def test_a_failing_verdict_warns_and_leaves_the_step_unchecked(one_rank_group: N
     monkeypatch.setattr(checks, "suspects" if route == "own verdicts" else "judge_all", broken)
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    buffer = _gradients(1)[0][: 2 * SEGMENT].clone()
-
-    def closure() -> torch.Tensor:
-        opt.zero_grad()
-        loss = model(torch.randn(2, 4)).sum()
-        loss.backward()
-        dist.all_reduce(buffer)
-        return loss
+    closure = _all_reducing_closure(model, opt)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -698,15 +707,7 @@ def test_optimizer_step_agrees_its_flags_in_the_exchange_in_one_process(one_rank
     by the ``protect()`` block (no flags to agree) or unchecked does not."""
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    buffer = _gradients(1)[0][: 2 * SEGMENT].clone()
-
-    def closure() -> torch.Tensor:
-        opt.zero_grad()
-        loss = model(torch.randn(2, 4)).sum()
-        loss.backward()
-        dist.all_reduce(buffer)
-        return loss
-
+    closure = _all_reducing_closure(model, opt)
     fault = sdc_guard.CollectiveFault(op="all_reduce", step=1, corruption="zero")
     with sdc_guard.drill(model, fault), sdc_guard.protect(model, calibrate_every=None) as guard:
         outcomes = [guard.optimizer_step(opt, closure) for _ in range(2)]
@@ -719,8 +720,7 @@ def test_optimizer_step_agrees_its_flags_in_the_exchange_in_one_process(one_rank
         assert guard.agreed_flags == ([], [])
         guard.end_step()
         guard.begin_step()
-        model(torch.randn(2, 4)).sum().backward()
-        dist.all_reduce(buffer)
+        closure()  # a step the block closes: no flags to agree
         guard.step()
         assert guard.agreed_flags is None
     with sdc_guard.protect(model, collectives=False, calibrate_every=None) as guard:
