@@ -56,7 +56,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -199,8 +199,13 @@ class CollectiveChecks:
         if record is None:
             return func(*args, **kwargs)
         self._records.append(record)
+        # the record keeps the call without its tensors: the sender's checksums are taken and
+        # the result reaches ``_landed`` as an argument, so that neither buffer outlives the
+        # caller's use of it (held to the step's close, FSDP2's all-gather outputs and
+        # reduce-scatter inputs made the allocator return and fault in tens of MB a step)
+        record.call = replace(call, send=None, recv=None)
         try:
-            return run_then(func, args, kwargs, record.call, lambda result: self._landed(record, result), self._pending,
+            return run_then(func, args, kwargs, call, lambda result: self._landed(record, result), self._pending,
                             waited=record.waited)
         except BaseException:  # the collective itself failed: nothing to check
             self._records.remove(record)
@@ -216,7 +221,7 @@ class CollectiveChecks:
         slots = 2 * g if call.op == "all_gather" else 3 * segments(numel) * (g if call.op == "reduce_scatter" else 1)
         label, waited = self._label(call, phase)
         record = Record(call, label, phase, call_index, slots, numel, send.dtype,
-                        wide=pairs_bits(send.dtype, send.numel()), waited=waited)
+                        wide=pairs_bits(send.dtype, send.numel()), waited=waited, device=send.device)
         try:
             # one native call where it covers the tensor (backends/native.py), else torch
             native = send.device.type == "cpu"
@@ -335,7 +340,7 @@ class CollectiveChecks:
         every rank's flags and receipts too, and ``result.agreed``."""
         group = records[0].call.group
         size = group.size()
-        device = records[0].call.send.device if records[0].call.send is not None else torch.device("cpu")
+        device = records[0].device
         layout = [(_KIND[r.call.op], r.slots) for r in records]
         carried = _carried(records, group.rank(), flags) if flags is not None else None
         if carried is not None:  # a layout of its own: ranks that disagree on merging see it

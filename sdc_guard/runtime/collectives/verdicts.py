@@ -50,6 +50,9 @@ class Record:
     dtype: torch.dtype
     wide: bool = True  #: all-gather: shards read as 32-bit words
     waited: bool = False  #: its caller waits on the work (FSDP2): checked in the waiting thread
+    #: where the sender's tensor was (the exchange goes there): ``call`` keeps no tensor once
+    #: the collective is under way (``CollectiveChecks.run``)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     sent: Tensor | None = None  #: fp64 [slots]: this rank's part of the exchange
     received: Tensor | None = None  #: this rank's checksums of its result
     #: fp64, where the native kernel writes the receiver's checksums (allocated with the

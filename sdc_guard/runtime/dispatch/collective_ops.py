@@ -262,25 +262,49 @@ def run_then(func: Any, args: tuple, kwargs: dict, call: Collective, done: Done,
             future = None
     if future is None:
         answers: list[bool] = []
+        # the finisher outlives the wait (``Pending`` keeps it to the step's close) but not
+        # the work: once waited for, the work and the tensors it holds are let go
+        held: list[Any] = [work]
 
         def wait(timeout: Any = None) -> bool:
             if answers:  # gloo copies the result out at every wait: once is enough
                 return answers[0]
+            inner = held[0]
             # PythonCallbackWork passes 0 for "no timeout"
-            ok = work.wait(timeout) if timeout is not None and timeout.total_seconds() > 0 else work.wait()
+            ok = inner.wait(timeout) if timeout is not None and timeout.total_seconds() > 0 else inner.wait()
             once()
             answers.append(ok)
+            held[0] = None
             return ok
 
         pending.add_finisher(wait)
         wrapped = PythonCallbackWork(wait)
     else:
+        # the step's close waits for the chained future only until its callback has run:
+        # held longer, its value (the collective's result) would outlive the caller's use
+        lock = threading.Lock()
+        unfinished: list[Any] = []
+        finished = [False]
+
         def then(fut: Any) -> Any:
             once()
+            with lock:
+                finished[0] = True
+                unfinished.clear()
             return fut.value()  # the collective's own error, if any, reaches its waiters
 
         chained = future.then(then)
-        pending.add_finisher(chained.wait)
+        with lock:
+            if not finished[0]:
+                unfinished.append(chained)
+
+        def finish() -> None:
+            with lock:
+                left = unfinished[0] if unfinished else None
+            if left is not None:
+                left.wait()
+
+        pending.add_finisher(finish)
         wrapped = _create_work_from_future(chained)
     boxed = dist.Work.boxed(wrapped)
     return (*out[:-1], boxed) if isinstance(out, tuple) else boxed

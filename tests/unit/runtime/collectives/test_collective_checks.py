@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from prometheus_client import CollectorRegistry
+from torch.multiprocessing.reductions import StorageWeakRef
 
 
 import sdc_guard  # noqa: E402
@@ -334,6 +335,35 @@ def test_a_corrupted_all_reduce_is_caught_under_protect(one_rank_group: None, mo
     assert reports[1].flagged == 1 and reports[0].flagged == 0
     if kernel == "native":  # the sender's and the receiver's checksums, every step
         assert [k["with_abs"] for k in calls] == [True, False] * 4
+
+
+def test_the_checks_keep_no_collective_buffer_past_its_use(one_rank_group: None) -> None:
+    """The checks take what they need of a collective's tensors (the sender's checksums
+    before it runs, the receiver's when its result lands) and keep none of them: a buffer
+    its caller lets go is freed while the step is still open, as without the guard. Kept
+    to the step's close, FSDP2's all-gather outputs (the unsharded parameters) and
+    reduce-scatter inputs (the unsharded gradients) of every layer would be alive at once.
+    Both ways a result lands: through the work's future (the all-gather) and in its wait
+    (gloo's reduce-scatter has no future)."""
+    model = torch.nn.Linear(4, 4)
+    grads = _gradients(1)[0][: 2 * SEGMENT]
+    gen = torch.Generator().manual_seed(5)
+    with sdc_guard.protect(model, calibrate_every=None) as guard:
+        model(torch.randn(2, 4, generator=gen)).sum().backward()
+        shard, gathered = grads.clone(), torch.empty_like(grads)
+        work = dist.all_gather_into_tensor(gathered, shard, async_op=True)
+        work.wait()
+        assert torch.equal(gathered, grads)
+        unreduced, scattered = grads * 2, torch.empty_like(grads)
+        dist.reduce_scatter_tensor(scattered, unreduced)
+        assert torch.equal(scattered, grads * 2)
+        # the memory itself, not the tensor objects (a view keeps its base's storage alive)
+        buffers = [StorageWeakRef(t.untyped_storage()) for t in (shard, gathered, unreduced, scattered)]
+        del shard, gathered, work, unreduced, scattered
+        assert [ref.expired() for ref in buffers] == [True] * 4
+    report = guard.last_report
+    assert report.collective_checks_by_op == {"all_gather": 1, "reduce_scatter": 1}
+    assert report.detections == [] and report.collectives_unchecked == {}
 
 
 def test_no_collective_is_checked_without_a_process_group() -> None:
