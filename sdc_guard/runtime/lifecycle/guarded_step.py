@@ -97,7 +97,7 @@ class GuardedStep:
             flagged, tripped = distributed.flagged_ranks(report.flagged > 0), []
         else:
             flagged, tripped = distributed.step_flags(report.flagged > 0, screened.tripped)
-        outcome = StepOutcome(report.step, loss, report, flagged, tripped_ranks=tripped)
+        outcome = StepOutcome(report.step, without_graph(loss), report, flagged, tripped_ranks=tripped)
         bookkeeping = time.perf_counter() - started
         try:
             rerunnable = False
@@ -237,7 +237,7 @@ class GuardedStep:
                 self.policy.beat()  # a replayed step is progress, not a hang
                 state.restore(self._params)  # RNG, gradients, buffers, the user's state
                 self.guard.begin_step(rerun=True)
-                outcome.loss = self._call(closure)
+                outcome.loss = without_graph(self._call(closure))
                 rerun = self.guard.end_step()
                 outcome.reruns.append(rerun)
                 signatures.append(signature(rerun))
@@ -270,6 +270,15 @@ class GuardedStep:
         except Exception:  # a closed or broken stdout must not change the exit code either
             pass
         raise SDCExit(code, outcome)
+
+
+def without_graph(loss: Any) -> Any:
+    """``loss`` as a step's outcome keeps it: a tensor detached from its autograd graph
+    (the same values, no copy), anything else as it is. Why: the guard keeps its last
+    ``history`` outcomes (``Guard.outcomes``), and a loss that still held its graph kept
+    every node of it alive, with what the nodes keep after the backward (under FSDP2
+    about 25 MB a step of the bench's 3.3 M-parameter model, growing for 100 steps)."""
+    return loss.detach() if isinstance(loss, Tensor) and loss.grad_fn is not None else loss
 
 
 def _only_collectives(outcome: StepOutcome) -> bool:

@@ -2,6 +2,7 @@
 
 import contextlib
 import time
+import weakref
 
 import pytest
 import torch
@@ -565,6 +566,35 @@ def test_what_is_learned_about_an_optimizer_outlives_a_per_step_block() -> None:
             opt.zero_grad()
         assert guard.last_report.seen == 5 and guard.last_report.flagged == 0
     assert opt.intercepting == [True, False, False]
+
+
+def test_the_outcomes_kept_hold_their_losses_without_the_autograd_graph() -> None:
+    """``Guard.outcomes`` keeps the last ``history`` steps' outcomes. The closure's loss
+    carries the step's autograd graph; kept as it is, every node of the last hundred
+    steps' graphs stayed alive (under FSDP2 about 25 MB a step of the bench's model). The
+    outcome keeps the loss's values, detached: the closure's tensor is freed with its
+    graph once the caller lets it go, and the values stay readable."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, values = [], []
+    with sdc_guard.protect(model, calibrate_every=None) as guard:  # one run of the closure a step
+        for step in range(3):
+            x, y = lm_batch(step)
+
+            def closure() -> torch.Tensor:
+                opt.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                loss.backward()
+                losses.append(weakref.ref(loss))
+                values.append(loss.item())
+                return loss
+
+            outcome = guard.optimizer_step(opt, closure)
+            assert outcome.loss.grad_fn is None and not outcome.loss.requires_grad
+    del outcome, closure
+    assert [ref() is None for ref in losses] == [True] * 3
+    assert [o.loss.item() for o in guard.outcomes] == values
 
 
 def test_an_optimizer_step_that_raises_does_not_leave_interception_off() -> None:
