@@ -201,8 +201,8 @@ class CollectiveChecks:
         self._records.append(record)
         # the record keeps the call without its tensors: the sender's checksums are taken and
         # the result reaches ``_landed`` as an argument, so that neither buffer outlives the
-        # caller's use of it (held to the step's close, FSDP2's all-gather outputs and
-        # reduce-scatter inputs made the allocator return and fault in tens of MB a step)
+        # caller's use of it (held to the step's close, every layer's FSDP2 all-gather output
+        # and reduce-scatter input, its unsharded parameters and gradients, were alive at once)
         record.call = replace(call, send=None, recv=None)
         try:
             return run_then(func, args, kwargs, call, lambda result: self._landed(record, result), self._pending,
