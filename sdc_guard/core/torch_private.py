@@ -82,8 +82,10 @@ top_saved_tensors_default_hooks = _C._autograd._top_saved_tensors_default_hooks
 foreach_norm = torch._foreach_norm
 #: which fused attention kernel the dispatcher would choose (metadata only, no host sync)
 fused_sdp_choice = torch._fused_sdp_choice
-#: a nested structure's leaves (a HOP's inputs that require grad)
+#: a nested structure's leaves (a HOP's inputs that require grad; a closure's result)
 tree_leaves = torch.utils._pytree.tree_leaves
+#: the same structure with every leaf mapped (a closure's result without its autograd graph)
+tree_map = torch.utils._pytree.tree_map
 
 #: looked up on first use: name -> ``"module:attribute"``, or ``"module"`` for the module itself
 _LAZY: dict[str, str] = {

@@ -78,8 +78,9 @@ class StepOutcome:
     """What a guarded optimizer step did."""
 
     step: int
-    #: what the closure returned (the re-execution's, after one); a tensor detached from its
-    #: autograd graph, which the guard's history of outcomes would otherwise keep alive
+    #: what the closure returned (the re-execution's, after one), its tensors detached from
+    #: their autograd graph (in a tuple, list, dict or ``ModelOutput`` too), which the
+    #: guard's history of outcomes would otherwise keep alive
     loss: Any
     report: "StepReport"  #: the step's first run
     flagged_ranks: list[int] = field(default_factory=list)

@@ -3,6 +3,7 @@
 import contextlib
 import time
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -595,6 +596,69 @@ def test_the_outcomes_kept_hold_their_losses_without_the_autograd_graph() -> Non
     del outcome, closure
     assert [ref() is None for ref in losses] == [True] * 3
     assert [o.loss.item() for o in guard.outcomes] == values
+
+
+@pytest.mark.parametrize("shape", ["tuple", "dict", "model_output"])
+def test_a_closure_returning_more_than_its_loss_keeps_no_graph_in_the_outcomes(shape: str) -> None:
+    """A closure may return ``(loss, logits)``, a dict or a Hugging Face ``ModelOutput``:
+    every tensor in it that carries the step's graph is kept detached (same values, no
+    copy), so the history of outcomes holds no graph node; a value that carries none (an
+    int, a tensor without a graph) is kept as the very object returned."""
+    from transformers.modeling_outputs import CausalLMOutput
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    refs, logits_kept, plain = [], [], torch.ones(2)
+    with sdc_guard.protect(model, calibrate_every=None) as guard:
+        for step in range(3):
+            x, y = lm_batch(step)
+
+            def closure() -> Any:
+                opt.zero_grad(set_to_none=True)
+                logits = model(x)
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+                loss.backward()
+                refs.append((weakref.ref(loss), weakref.ref(logits)))
+                logits_kept.append(logits.detach().clone())
+                if shape == "tuple":
+                    return loss, logits, step, plain
+                if shape == "dict":
+                    return {"loss": loss, "logits": logits, "step": step, "plain": plain}
+                return CausalLMOutput(loss=loss, logits=logits)
+
+            outcome = guard.optimizer_step(opt, closure)
+    del outcome, closure
+    assert [(a() is None, b() is None) for a, b in refs] == [(True, True)] * 3
+    for step, kept in enumerate(guard.outcomes):
+        result = kept.loss
+        if shape == "tuple":
+            loss, logits, number, same = result
+            assert number == step and same is plain
+        elif shape == "dict":
+            loss, logits, same = result["loss"], result["logits"], result["plain"]
+            assert result["step"] == step and same is plain
+        else:
+            assert isinstance(result, CausalLMOutput)
+            loss, logits = result.loss, result.logits
+        assert loss.grad_fn is None and logits.grad_fn is None
+        assert torch.equal(logits, logits_kept[step])
+
+
+def test_a_closure_result_without_a_graph_is_kept_as_returned() -> None:
+    """Nothing to detach: the outcome keeps the caller's own object."""
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    result = {"loss": torch.tensor(1.0), "note": "kept"}
+
+    def closure() -> dict:
+        opt.zero_grad()
+        model(torch.ones(2, 16)).sum().backward()
+        return result
+
+    with sdc_guard.protect(model, calibrate_every=None) as guard:
+        outcome = guard.optimizer_step(opt, closure)
+    assert outcome.loss is result
 
 
 def test_an_optimizer_step_that_raises_does_not_leave_interception_off() -> None:
