@@ -19,7 +19,8 @@ without. The two runs of the same step, minus what the guard timed itself inside
 guarded one, are the interception's real cost in that step, ``residual``. Over the
 per-op estimate for the same run, that is the factor every report of the model then
 applies to its estimate: ``interception = factor * estimate`` (the median over the last
-``POOL`` replays, so that one disturbed pair does not move it).
+``POOL`` replays, so that one disturbed pair does not move it, leaving out a pair whose
+bare run paid one-off costs: ``Calibration.usable``).
 
 The replay costs about one unguarded run of the closure; it is the guard's cost too, and
 is charged to the step that ran it (``StepReport.calibration_seconds``, inside
@@ -54,6 +55,9 @@ DEFAULT_EVERY = 100
 POOL = 8
 #: The early replays: on the watched steps numbered by the powers of two up to this one.
 EARLY_UNTIL = 16
+#: A pair whose bare run took longer than this times the fastest bare run pooled is left
+#: out of the factor (``Calibration.usable``).
+BARE_SLACK = 1.15
 
 
 def check_calibrate_every(value: object, name: str = "calibrate_every") -> int | None:
@@ -82,6 +86,11 @@ class Pair:
     #: the same two runs in this thread's CPU time (``thread_clock``), or ``None`` (wall time only)
     bare_cpu: float | None = None
     guarded_cpu: float | None = None
+
+    @property
+    def bare_time(self) -> float:
+        """The bare run's time on the clock ``residual`` uses."""
+        return self.bare_cpu if self.cpu else self.bare  # type: ignore[return-value]
 
     @property
     def cpu(self) -> bool:
@@ -148,15 +157,27 @@ class Calibration:
             self.pairs.append(pair)
         self.replays += 1
 
+    def usable(self) -> list[Pair]:
+        """The pooled pairs the factor is taken from: those whose bare run took at most
+        ``BARE_SLACK`` times the fastest bare run pooled. Why: a bare run that pays what
+        the guarded run beside it does not makes the residual too small, often negative.
+        The first replays of a model do: in ``bench train`` (the GPT at d_model 256, eight
+        copies in one process) the first bare run of each guarded copy took 270-350 ms,
+        the second often 275-285, the later ones 195-235, in CPU time; pooled, they held a
+        copy's factor at 0 or at half its later value for its first dozen steps."""
+        fastest = min(p.bare_time for p in self.pairs)
+        return [p for p in self.pairs if p.bare_time <= BARE_SLACK * fastest]
+
     @property
     def factor(self) -> float | None:
         """Measured interception over its per-op estimate: the median over the last
-        replays (``None`` before the first). A median, because one run of a pair that
-        another process preempted moves its pair by as much as the interception itself
-        on a loaded machine; the median of a few pairs does not follow it."""
+        replays' usable pairs (``usable``; ``None`` before the first). A median, because
+        one run of a pair that another process preempted moves its pair by as much as the
+        interception itself on a loaded machine; the median of a few pairs does not
+        follow it."""
         if not self.pairs:
             return None
-        return max(0.0, statistics.median(p.residual / p.estimate for p in self.pairs))
+        return max(0.0, statistics.median(p.residual / p.estimate for p in self.usable()))
 
     @property
     def cpu(self) -> bool:

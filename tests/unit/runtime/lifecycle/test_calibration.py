@@ -181,6 +181,27 @@ def test_calibration_pools_pairs_and_its_schedule() -> None:
         sdc_guard.protect(BNNet(), calibrate_every=0)
 
 
+def test_a_pair_whose_bare_run_paid_one_off_costs_is_left_out_of_the_factor() -> None:
+    """The first bare runs of a model pay one-off costs (bench train: 270-350 ms against
+    195-235 later): their residuals are too small, often negative, and pooled they held
+    the factor at 0. A pair whose bare run took more than ``BARE_SLACK`` times the fastest
+    pooled one is left out of the median; the fastest is always in."""
+    c = Calibration(every=4)
+    c.add(Pair(bare=1.6, guarded=1.1, measured=0.0, estimate=0.01))  # the first: bare slow, residual -0.5
+    assert c.factor == 0.0  # alone, it is all there is (floored at 0)
+    c.add(Pair(bare=1.0, guarded=1.1, measured=0.0, estimate=0.01))  # residual 0.1: 10x
+    assert c.usable() == [c.pairs[1]] and c.factor == pytest.approx(10.0)
+    c.add(Pair(bare=1.1, guarded=1.18, measured=0.0, estimate=0.01))  # within the slack: 8x, kept
+    c.add(Pair(bare=1.2, guarded=1.2, measured=0.0, estimate=0.01))  # 1.2 > 1.15 x 1.0: left out
+    assert len(c.usable()) == 2 and c.factor == pytest.approx(9.0)
+    assert c.floor == 1.0
+    # on the CPU clock where the pairs have it: a preempted bare run (wall 3.0, CPU 1.0) stays
+    cpu = Calibration(every=4)
+    cpu.add(Pair(bare=1.0, guarded=1.1, measured=0.0, estimate=0.01, bare_cpu=1.0, guarded_cpu=1.1))
+    cpu.add(Pair(bare=3.0, guarded=1.1, measured=0.0, estimate=0.01, bare_cpu=1.0, guarded_cpu=1.12))
+    assert len(cpu.usable()) == 2 and cpu.factor == pytest.approx(11.0)
+
+
 def test_a_pair_timed_in_cpu_time_ignores_a_preempted_run() -> None:
     """A pair with the thread's CPU time: its residual is taken there, the guard's own
     (wall) timings brought to that clock by the guarded run's CPU share, so a run another
