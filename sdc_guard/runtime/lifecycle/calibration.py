@@ -19,8 +19,8 @@ without. The two runs of the same step, minus what the guard timed itself inside
 guarded one, are the interception's real cost in that step, ``residual``. Over the
 per-op estimate for the same run, that is the factor every report of the model then
 applies to its estimate: ``interception = factor * estimate`` (the median over the last
-``POOL`` replays, so that one disturbed pair does not move it, leaving out a pair whose
-bare run paid one-off costs: ``Calibration.usable``).
+``POOL`` replays, so that one disturbed pair does not move it, the model's first two
+left out once a later one is there: ``Calibration.usable``).
 
 The replay costs about one unguarded run of the closure; it is the guard's cost too, and
 is charged to the step that ran it (``StepReport.calibration_seconds``, inside
@@ -55,9 +55,9 @@ DEFAULT_EVERY = 100
 POOL = 8
 #: The early replays: on the watched steps numbered by the powers of two up to this one.
 EARLY_UNTIL = 16
-#: A pair whose bare run took longer than this times the fastest bare run pooled is left
-#: out of the factor (``Calibration.usable``).
-BARE_SLACK = 1.15
+#: A model's first replays, left out of its factor once a later one is pooled
+#: (``Calibration.usable``).
+WARMUP_PAIRS = 2
 
 
 def check_calibrate_every(value: object, name: str = "calibrate_every") -> int | None:
@@ -86,11 +86,6 @@ class Pair:
     #: the same two runs in this thread's CPU time (``thread_clock``), or ``None`` (wall time only)
     bare_cpu: float | None = None
     guarded_cpu: float | None = None
-
-    @property
-    def bare_time(self) -> float:
-        """The bare run's time on the clock ``residual`` uses."""
-        return self.bare_cpu if self.cpu else self.bare  # type: ignore[return-value]
 
     @property
     def cpu(self) -> bool:
@@ -130,7 +125,8 @@ class Calibration:
     def __init__(self, every: int | None = DEFAULT_EVERY) -> None:
         self.every = every
         self.eligible = 0  #: watched guarded steps counted so far
-        self.pairs: deque[Pair] = deque(maxlen=POOL)
+        self.early: list[Pair] = []  #: the first ``WARMUP_PAIRS`` pairs
+        self.pairs: deque[Pair] = deque(maxlen=POOL)  #: the last ``POOL`` pairs after them
         self.replays = 0
 
     def picks(self, index: int) -> bool:
@@ -154,19 +150,21 @@ class Calibration:
 
     def add(self, pair: Pair) -> None:
         if pair.estimate > 0:
-            self.pairs.append(pair)
+            (self.early if len(self.early) < WARMUP_PAIRS else self.pairs).append(pair)
         self.replays += 1
 
     def usable(self) -> list[Pair]:
-        """The pooled pairs the factor is taken from: those whose bare run took at most
-        ``BARE_SLACK`` times the fastest bare run pooled. Why: a bare run that pays what
-        the guarded run beside it does not makes the residual too small, often negative.
-        The first replays of a model do: in ``bench train`` (the GPT at d_model 256, eight
-        copies in one process) the first bare run of each guarded copy took 270-350 ms,
-        the second often 275-285, the later ones 195-235, in CPU time; pooled, they held a
-        copy's factor at 0 or at half its later value for its first dozen steps."""
-        fastest = min(p.bare_time for p in self.pairs)
-        return [p for p in self.pairs if p.bare_time <= BARE_SLACK * fastest]
+        """The pairs the factor is taken from: the last ``POOL`` after the model's first
+        ``WARMUP_PAIRS``, or those first ones while there is no other. Why: a model's first
+        bare runs pay one-off costs the guarded run right after them does not (it reuses
+        what the bare run allocated and warmed), which makes their residuals too small,
+        often negative: in ``bench train`` (the GPT at d_model 256, eight copies in one
+        process) the first bare run of every guarded copy took 270-350 ms, the second
+        often 275-290, the later ones 195-235, in CPU time; pooled, they held a copy's
+        factor at 0, or at half its later value, for its first dozen steps. Why by their
+        rank and not by their time: a run whose batches differ in size (dynamic padding)
+        has bare runs of many lengths, all of them good pairs."""
+        return list(self.pairs) or self.early
 
     @property
     def factor(self) -> float | None:
@@ -175,21 +173,23 @@ class Calibration:
         one run of a pair that another process preempted moves its pair by as much as the
         interception itself on a loaded machine; the median of a few pairs does not
         follow it."""
-        if not self.pairs:
+        pool = self.usable()
+        if not pool:
             return None
-        return max(0.0, statistics.median(p.residual / p.estimate for p in self.usable()))
+        return max(0.0, statistics.median(p.residual / p.estimate for p in pool))
 
     @property
     def cpu(self) -> bool:
-        """Whether the factor is in CPU time (the newest pair's clock): a report then
-        brings the interception it gives to its step's wall time (``StepLedger.report``)."""
-        return bool(self.pairs) and self.pairs[-1].cpu
+        """Whether the factor is in CPU time (the newest usable pair's clock): a report
+        then brings the interception it gives to its step's wall time (``StepLedger.report``)."""
+        pool = self.usable()
+        return bool(pool) and pool[-1].cpu
 
     @property
     def floor(self) -> float:
         """The fastest bare run of the closure measured: a lower bound of the unguarded
         step, which keeps a noisy factor from claiming more than the whole step."""
-        return min((p.bare for p in self.pairs), default=0.0)
+        return min((p.bare for p in (*self.early, *self.pairs)), default=0.0)
 
 
 _calibrations: "weakref.WeakKeyDictionary[nn.Module, Calibration]" = weakref.WeakKeyDictionary()
