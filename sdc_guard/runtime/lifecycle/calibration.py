@@ -156,14 +156,16 @@ class Calibration:
     def usable(self) -> list[Pair]:
         """The pairs the factor is taken from: the last ``POOL`` after the model's first
         ``WARMUP_PAIRS``, or those first ones while there is no other. Why: a model's first
-        bare runs pay one-off costs the guarded run right after them does not (it reuses
-        what the bare run allocated and warmed), which makes their residuals too small,
-        often negative: in ``bench train`` (the GPT at d_model 256, eight copies in one
-        process) the first bare run of every guarded copy took 270-350 ms, the second
-        often 275-290, the later ones 195-235, in CPU time; pooled, they held a copy's
-        factor at 0, or at half its later value, for its first dozen steps. Why by their
-        rank and not by their time: a run whose batches differ in size (dynamic padding)
-        has bare runs of many lengths, all of them good pairs."""
+        replays pay one-off costs, mostly in the bare run, which the guarded run right
+        after it does not (it reuses what the bare run allocated and warmed): in ``bench
+        train`` (the GPT at d_model 256, eight copies in one process) the first bare runs
+        of the guarded copies took 270-350 ms, the second often 275-290, the later ones
+        195-235, in CPU time, and those pairs came out at -44 to 0.1 times the
+        estimate against mostly 6-12 later; pooled, they held a copy's factor at 0, or
+        at half its later value, for its first dozen steps. In other runs the first
+        guarded runs paid instead (pairs at 17-27 times). Why by their rank and not by
+        their time: the costs do not come every time, and a run whose batches differ in
+        size (dynamic padding) has bare runs of many lengths, all of them good pairs."""
         return list(self.pairs) or self.early
 
     @property
