@@ -73,16 +73,18 @@ class StepReport:
     without it: ``guard_seconds / (step_seconds - guard_seconds)``. ``guard_seconds`` is
     what the guard timed itself (verification, bookkeeping, the work since the previous
     report: re-encoding updated weights, snapshots; a calibration replay) plus
-    interception (the dispatch mode and the site hooks, ``interception_seconds``).
-    Interception cannot be timed from inside; it is the per-op estimate
-    (``interception_estimate_seconds``: a round trip per intercepted op and a hook cost per
-    module call, rates measured once per process) scaled by what calibration replays of
-    this model measured (``interception_factor``; ``sdc_guard.runtime.lifecycle.calibration``: the
-    step's closure run once bare and once guarded, paired). ``overhead_calibrated`` says
-    which: True when ``guard_seconds`` is the whole cost (calibrated, or a step that
-    intercepted nothing), False when interception is the bare estimate, a lower bound (an
-    observation-only ``protect()`` block, which has no closure to replay, or a model no
-    ``optimizer_step`` has calibrated yet). ``verify_overhead`` counts verification alone.
+    interception (the dispatch mode, the site hooks, the compiled route's function mode:
+    ``interception_seconds``). Interception cannot be timed from inside; it is the per-op
+    estimate (``interception_estimate_seconds``: a round trip per intercepted op and per
+    function-mode call, a hook cost per module call, rates measured once per process)
+    scaled by what calibration replays of this model measured (``interception_factor``;
+    ``sdc_guard.runtime.lifecycle.calibration``: the step's closure run once bare and once
+    guarded, paired). ``overhead_calibrated`` says which: True when ``guard_seconds`` is
+    the whole cost (calibrated, or a step that intercepted nothing), False when
+    interception is the bare estimate, a lower bound (an observation-only ``protect()``
+    block, which has no closure to replay, a model no ``optimizer_step`` has calibrated
+    yet, the compiled route, which runs no replays). ``verify_overhead`` counts
+    verification alone.
     """
 
     step: int
@@ -113,6 +115,9 @@ class StepReport:
     verify_overhead: float = 0.0  #: verify_seconds / (step_seconds - guard_seconds): verification alone
     guard_seconds: float = 0.0  #: everything the guard added to the step (see the class doc)
     intercepted_ops: int = 0  #: aten ops the dispatch mode saw
+    #: torch function calls the compiled route's function mode passed on (each charged a
+    #: round trip in ``interception_estimate_seconds``); 0 on the dispatch route
+    function_mode_calls: int = 0
     #: True: ``guard_seconds`` is the guard's whole cost (interception calibrated by paired
     #: replays, or nothing intercepted); False: interception is the per-op estimate, a lower bound
     overhead_calibrated: bool = False

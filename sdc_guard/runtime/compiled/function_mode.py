@@ -31,6 +31,8 @@ share (this thread's guard and drills, the count of checks run) is in
 from __future__ import annotations
 
 import functools
+import threading
+import time
 import warnings
 import weakref
 from typing import Any, Callable
@@ -224,6 +226,11 @@ class GemmFunctionMode(TorchFunctionMode):
     def __init__(self, compiled: bool = True) -> None:
         super().__init__()
         self.compiled = compiled
+        #: calls this mode passed on as the compiled route's, at run time (never while dynamo
+        #: traces: see ``ops``); each paid a function mode's Python round trip, which the
+        #: guard charges to the step (``function_round_trip_seconds``). The dispatch route's
+        #: mark is not counted: its cost is in that route's calibration replays.
+        self.calls = 0
 
     def __enter__(self) -> "GemmFunctionMode":
         warn_if_inductor_drops_checks()
@@ -233,6 +240,7 @@ class GemmFunctionMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling() or not self.compiled:  # in this order: dynamo reads no attribute
             return func(*args, **kwargs)
+        self.calls += 1
         # What compiled code calls at run time passes first, looked up no further (a few
         # hundred calls a step, each a GEMM's check or kernel): an aten overload (an
         # ``aot_eager`` graph's op, a check op: no route or count is keyed by one) and a
@@ -248,6 +256,47 @@ class GemmFunctionMode(TorchFunctionMode):
         if name is not None:
             unverified(name)
         return func(*args, **kwargs)
+
+
+_function_round_trip: list[float] = []
+
+
+def function_round_trip_seconds() -> float:
+    """What the compiled route's function mode adds to one torch function call on this
+    machine, in seconds: measured once per process (a 16-element ``add``, 300 times bare
+    and 300 times under a ``GemmFunctionMode``, the difference of the medians), on a thread
+    of its own, whose mode stacks are empty (the guard's mode is on the calling thread's
+    when a step closes). Why: most of the calls the mode sees on that route are not GEMMs
+    but the tensor methods AOT autograd's runtime wrappers call (``_is_view``,
+    ``untyped_storage``, attribute reads), a few hundred a step; each pays the round trip,
+    which no check times (measured 2026-12-07: 4.8 ms a step with the mode on throughout,
+    docs/PERFORMANCE.md)."""
+    if not _function_round_trip:
+        result: list[float] = []
+        thread = threading.Thread(target=lambda: result.append(_measure_function_round_trip()),
+                                  name="sdc-guard-round-trip")
+        thread.start()
+        thread.join()
+        _function_round_trip.append(result[0] if result else 0.0)
+    return _function_round_trip[0]
+
+
+def _measure_function_round_trip() -> float:
+    x = torch.ones(16)
+
+    def median_call() -> float:
+        times = []
+        for _ in range(300):
+            t0 = time.perf_counter()
+            torch.add(x, 1.0)
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        return times[len(times) // 2]
+
+    bare = median_call()
+    with GemmFunctionMode(compiled=True):
+        moded = median_call()
+    return max(0.0, moded - bare)
 
 
 def _eager_when_called_eagerly(code: Any) -> bool:

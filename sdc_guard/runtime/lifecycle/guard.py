@@ -30,7 +30,7 @@ from .calibration import DEFAULT_EVERY, Replays
 from ..checking.cache import WeightCache, persistent_parameters
 from ..compiled.function_mode import is_compiled, note_compiled
 from .intake import CheckIntake, active_guards
-from ..dispatch.intercept import SiteTracker, current_phase, module_hook_seconds, round_trip_seconds
+from ..dispatch.intercept import SiteTracker, current_phase
 from .ledger import StepLedger
 from ..compiled.module_names import ModuleNames
 from ...report import StepReport
@@ -239,10 +239,9 @@ class Guard(CheckIntake):
             note_block_end(self.model, after_step=not keep_empty)
         self.mode.interception.retiring = False  # the next step's modes are the compiled route's alone
         self._ledger.ops += self.mode.interception.take_ops()  # the mode goes on for the next step
-        self._ledger.module_calls += self._sites.calls
-        self._sites.calls = 0
-        round_trip = round_trip_seconds() if self._ledger.ops else 0.0
-        module_hook = module_hook_seconds() if self._ledger.module_calls else 0.0
+        self._ledger.function_calls += self.mode.interception.take_function_calls()
+        self._ledger.module_calls, self._sites.calls = self._ledger.module_calls + self._sites.calls, 0
+        round_trip, module_hook, function_call = self._ledger.rates()
         collectives = None
         if self.collective_checks.pending:  # every rank of a group closes alike
             flags = None if tripped is None else (self._ledger.gemms_flagged(), tripped)  # read once
@@ -255,11 +254,12 @@ class Guard(CheckIntake):
             # a block that ran no GEMM (an unwatched step is still a step), or the step
             # optimizer_step opened after the block's last one: what the guard spent in
             # it goes to the next report
-            self._carry += self._ledger.guard_seconds(round_trip, module_hook, self.replays.calibration.factor)
+            self._carry += self._ledger.guard_seconds(round_trip, module_hook, self.replays.calibration.factor,
+                                                      function_call)
             return None
         report = self._ledger.report(self.step_index, self._attempt, self.rank, watched=self._watching,
                                      stats=self.screen_stats, round_trip=round_trip, module_hook=module_hook,
-                                     calibration=self.replays.calibration)
+                                     calibration=self.replays.calibration, function_call=function_call)
         started = time.perf_counter()  # what follows the report is charged to the next one
         if collectives is not None:
             collectives.into(report)

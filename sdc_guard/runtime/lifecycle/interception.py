@@ -44,6 +44,9 @@ class Interception:
         #: the dispatch mode was retired in the open step by a switch to the compiled route
         #: (``retire``): it stays on, for the backward of what it verified, until the step closes
         self.retiring = False
+        #: calls the compiled route's function modes counted and left since the last
+        #: ``take_function_calls`` (``GemmFunctionMode.calls``)
+        self._function_calls = 0
         self._previous_sink: Any = None  #: the sink before ours (nested guards)
         self._sink_set = False
         self._pass_installed = False
@@ -86,6 +89,7 @@ class Interception:
         elif not want_function and self.function_mode is not None and (
                 not g.active or self.function_mode is get_current_function_mode()):
             self.function_mode.__exit__(None, None, None)
+            self._function_calls += self.function_mode.calls
             self.function_mode = None
         self._sync_sink(want_function and g.compiled)
         return ops
@@ -132,3 +136,12 @@ class Interception:
             return 0
         ops, self.mode.ops = self.mode.ops, 0
         return ops
+
+    def take_function_calls(self) -> int:
+        """The calls the compiled route's function mode passed on so far, each a Python
+        round trip no check times (the count starts again)."""
+        calls = self._function_calls
+        if self.function_mode is not None:
+            calls, self.function_mode.calls = calls + self.function_mode.calls, 0
+        self._function_calls = 0
+        return calls

@@ -16,6 +16,8 @@ from torch import Tensor
 
 from ...core.precision import SEGMENT
 from .calibration import Calibration, Pair, Replay
+from ..compiled.function_mode import function_round_trip_seconds
+from ..dispatch.intercept import module_hook_seconds, round_trip_seconds
 from ...report import Detection, GemmCounts, KindKey, StepReport
 from ..sampling import SiteKey, StepCosts
 from .stats import ScreenStats
@@ -119,6 +121,7 @@ class StepLedger:
         self.ops = 0  #: aten ops the dispatch mode intercepted
         self.hook_seconds = 0.0  #: host time in the guard's per-op hooks (verification on CPU included)
         self.module_calls = 0  #: module calls the site tracker's hooks ran for
+        self.function_calls = 0  #: torch function calls the compiled route's function mode passed on
         #: guard work done between the previous report and this step's start (re-encoding
         #: the updated weights, snapshots, the previous outcome's bookkeeping): counted here
         self.carried_seconds = carried_seconds
@@ -166,13 +169,23 @@ class StepLedger:
                          dict(self.site_seconds), dict(self.site_calls), report.guard_seconds,
                          report.calibration_seconds)
 
-    def interception_estimate(self, round_trip: float, module_hook: float = 0.0) -> float:
+    def rates(self) -> tuple[float, float, float]:
+        """What one call of each kind of interception the step has costs on this machine
+        (each measured once per process, where the step has such calls): the dispatch
+        mode's round trip per aten op, the site tracker's hooks per module call, the
+        compiled route's function mode per call (0.0 for a kind the step has none of)."""
+        return (round_trip_seconds() if self.ops else 0.0, module_hook_seconds() if self.module_calls else 0.0,
+                function_round_trip_seconds() if self.function_calls else 0.0)
+
+    def interception_estimate(self, round_trip: float, module_hook: float = 0.0, function_call: float = 0.0) -> float:
         """The per-op estimate of interception: the dispatch mode's round trip for every
         op intercepted (``round_trip`` seconds each, measured once per process by
-        ``intercept.round_trip_seconds``) and the site tracker's module hooks
-        (``module_hook`` per module call, ``intercept.module_hook_seconds``). A lower
-        bound: what the mode and the hooks cost the model's ops between them is not in it."""
-        return self.ops * round_trip + self.module_calls * module_hook
+        ``intercept.round_trip_seconds``), the site tracker's module hooks
+        (``module_hook`` per module call, ``intercept.module_hook_seconds``) and the
+        compiled route's function mode (``function_call`` per call it passed on,
+        ``function_mode.function_round_trip_seconds``). A lower bound: what the modes and
+        the hooks cost the model's ops between them is not in it."""
+        return self.ops * round_trip + self.module_calls * module_hook + self.function_calls * function_call
 
     def measured_seconds(self) -> float:
         """The guard's work it times itself (call after synchronising): host time in its
@@ -182,12 +195,13 @@ class StepLedger:
         return (self.hook_seconds + self.carried_seconds + self.calibration_seconds
                 + (self.clock.total() - self.clock.seconds))
 
-    def guard_seconds(self, round_trip: float, module_hook: float = 0.0, factor: float | None = None) -> float:
+    def guard_seconds(self, round_trip: float, module_hook: float = 0.0, factor: float | None = None,
+                      function_call: float = 0.0) -> float:
         """Everything the guard added to the step: what it timed itself and interception,
         the per-op estimate scaled by ``factor`` (the model's calibration,
         ``runtime.lifecycle.calibration``; ``None``: the bare estimate, a lower bound)."""
         scale = 1.0 if factor is None else factor
-        return self.measured_seconds() + scale * self.interception_estimate(round_trip, module_hook)
+        return self.measured_seconds() + scale * self.interception_estimate(round_trip, module_hook, function_call)
 
     def pair(self, round_trip: float, module_hook: float) -> Pair | None:
         """The step's calibration replay as a ``Pair`` (after synchronising); ``None``
@@ -201,7 +215,7 @@ class StepLedger:
 
     def report(self, step: int, attempt: int, rank: int, *, watched: bool = True,
                stats: ScreenStats | None = None, round_trip: float = 0.0, module_hook: float = 0.0,
-               calibration: Calibration | None = None) -> StepReport:
+               calibration: Calibration | None = None, function_call: float = 0.0) -> StepReport:
         """Read the flags (the one host synchronisation of the step) into a report; with
         ``stats``, record every verified GEMM's worst D/T and flag in it. ``calibration``
         (the model's) takes the step's calibration pair, if it ran one, and gives the
@@ -231,7 +245,7 @@ class StepLedger:
             # rest of the account is (on a shared core, wall time runs ahead of CPU time)
             cpu = time.thread_time() - self.started_cpu
             scale *= max(1.0, wall / cpu) if cpu > 0 else 1.0
-        estimate = self.interception_estimate(round_trip, module_hook)
+        estimate = self.interception_estimate(round_trip, module_hook, function_call)
         # the unguarded step takes at least the fastest bare run of its closure measured: a
         # factor a disturbed pool made too large gives way (interception only, what the
         # guard timed itself stands)
@@ -246,7 +260,7 @@ class StepLedger:
             detections=detections, unverified_ops=dict(self.unverified),
             verify_seconds=verify_seconds, step_seconds=step_seconds,
             overhead=guard_seconds / base, verify_overhead=verify_seconds / base,
-            guard_seconds=guard_seconds, intercepted_ops=self.ops,
+            guard_seconds=guard_seconds, intercepted_ops=self.ops, function_mode_calls=self.function_calls,
             interception_estimate_seconds=estimate,
             interception_seconds=interception,
             interception_factor=scale, overhead_calibrated=scale is not None or estimate == 0.0,

@@ -118,6 +118,41 @@ def test_compiled_gpt_reports_like_eager_and_does_not_recompile_across_steps():
     assert guard.last_report.seen == GPT_GEMMS  # the same GEMMs as the eager route sees
 
 
+def test_the_compiled_routes_function_mode_calls_are_charged_to_the_step_as_an_estimate(monkeypatch):
+    """On the compiled route no check times the function mode's round trips (the tensor
+    methods AOT autograd's wrappers call, the extern kernels, the check ops themselves):
+    each call it passed on is counted and charged at the rate measured once per process,
+    and the account says it is an estimate (no replays on that route)."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with sdc_guard.protect(compiled) as guard:
+        reports = [guard.optimizer_step(opt, gpt_closure(compiled, opt, step)).report for step in range(4)]
+        rate = function_mode.function_round_trip_seconds()  # the rate the reports used: measured once
+        assert 0 < rate < 1e-3 and function_mode.function_round_trip_seconds() == rate
+        # it is measured on a thread of its own: this thread's mode counts none of it
+        monkeypatch.setattr(function_mode, "_function_round_trip", [])
+        interception = guard.mode.interception
+        one = torch.ones(2)
+        interception.take_function_calls()
+        torch.add(one, 1.0)
+        assert function_mode.function_round_trip_seconds() > 0
+        assert interception.take_function_calls() == 1
+    for report in reports:
+        assert report.intercepted_ops == 0 and report.seen == GPT_GEMMS
+        assert report.function_mode_calls > GPT_GEMMS  # each check op is one, and each graph op
+        assert report.interception_estimate_seconds == pytest.approx(report.function_mode_calls * rate)
+        assert report.interception_seconds == pytest.approx(report.interception_estimate_seconds)
+        assert report.guard_seconds >= report.verify_seconds + report.interception_seconds - 1e-12
+        assert not report.overhead_calibrated and report.interception_factor is None
+    assert len({r.function_mode_calls for r in reports[2:]}) == 1  # the counts restart each step
+    eager = TinyGPT()
+    with sdc_guard.protect(eager, compiled=False) as guard:
+        gpt_closure(eager, torch.optim.SGD(eager.parameters()), 0)()
+    assert guard.last_report.function_mode_calls == 0 and guard.last_report.intercepted_ops > 0
+
+
 def test_leaving_protect_leaves_no_trace():
     torch.manual_seed(0)
     model = MLP()
