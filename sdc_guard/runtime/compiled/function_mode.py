@@ -268,9 +268,9 @@ def function_round_trip_seconds() -> float:
     of its own, whose mode stacks are empty (the guard's mode is on the calling thread's
     when a step closes). Why: most of the calls the mode sees on that route are not GEMMs
     but the tensor methods AOT autograd's runtime wrappers call (``_is_view``,
-    ``untyped_storage``, attribute reads), a few hundred a step; each pays the round trip,
-    which no check times (measured 2026-12-07: 4.8 ms a step with the mode on throughout,
-    docs/PERFORMANCE.md)."""
+    ``untyped_storage``, attribute reads), 374 a step on the compiled GPT of ``bench
+    train``; each pays the round trip, which no check times. A lower bound: in situ a call
+    costs more than on the tiny one (benchmarks/interception-costs_xeon-2vcpu_2026-12-07.md)."""
     if not _function_round_trip:
         result: list[float] = []
         thread = threading.Thread(target=lambda: result.append(_measure_function_round_trip()),
