@@ -9,6 +9,8 @@ snapshot store and the optimizer; none of them calls back.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import os
 import sys
@@ -276,17 +278,40 @@ class GuardedStep:
 def without_graph(loss: Any) -> Any:
     """``loss`` as a step's outcome keeps it: every tensor in it detached from its autograd
     graph (the same values, no copy), through the containers torch's pytree knows (tuple,
-    list, dict, namedtuple, a Hugging Face ``ModelOutput``), rebuilt only where one held a
-    graph; anything else as it is. Why: the guard keeps its last ``history`` outcomes
-    (``Guard.outcomes``), and a loss that still held its graph kept every node of it alive,
-    with what the nodes keep after the backward (under FSDP2 about 25 MB a step of the
-    bench's 3.3 M-parameter model, growing for 100 steps); a closure returning
-    ``(loss, logits)`` kept them as well."""
+    list, dict, namedtuple, a Hugging Face ``ModelOutput``) and dataclasses (a shallow copy
+    with the detached fields), rebuilt only where one held a graph; anything else as it
+    is. Why: the guard keeps its last ``history`` outcomes (``Guard.outcomes``), and a loss
+    that still held its graph kept every node of it alive, with what the nodes keep after
+    the backward (under FSDP2 about 25 MB a step of the bench's 3.3 M-parameter model,
+    growing for 100 steps); a closure returning ``(loss, logits)`` kept them as well."""
     if isinstance(loss, Tensor):
         return loss.detach() if loss.grad_fn is not None else loss
-    if not any(isinstance(t, Tensor) and t.grad_fn is not None for t in tree_leaves(loss)):
+    if not any(_holds_graph(leaf) for leaf in tree_leaves(loss)):
         return loss  # nothing holds a graph: the caller's own object
-    return tree_map(lambda t: t.detach() if isinstance(t, Tensor) and t.grad_fn is not None else t, loss)
+    return tree_map(_detached, loss)
+
+
+def _holds_graph(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return value.grad_fn is not None
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(_holds_graph(leaf) for f in dataclasses.fields(value)
+                   for leaf in tree_leaves(getattr(value, f.name, None)))
+    return False
+
+
+def _detached(value: Any) -> Any:
+    """A pytree leaf without its graph: a tensor detached, a dataclass that holds a graph
+    copied (``copy.copy``: its type and other fields kept) with its fields detached."""
+    if isinstance(value, Tensor):
+        return value.detach() if value.grad_fn is not None else value
+    if not _holds_graph(value):
+        return value
+    kept = copy.copy(value)
+    for f in dataclasses.fields(value):
+        if hasattr(value, f.name):
+            object.__setattr__(kept, f.name, without_graph(getattr(value, f.name)))
+    return kept
 
 
 def _only_collectives(outcome: StepOutcome) -> bool:

@@ -1,6 +1,7 @@
 """protect(model): interception, attribution, reports, samplers, weight-side cache."""
 
 import contextlib
+import dataclasses
 import time
 import weakref
 from typing import Any
@@ -8,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
@@ -598,9 +600,20 @@ def test_the_outcomes_kept_hold_their_losses_without_the_autograd_graph() -> Non
     assert [o.loss.item() for o in guard.outcomes] == values
 
 
-@pytest.mark.parametrize("shape", ["tuple", "dict", "model_output"])
+@dataclasses.dataclass(frozen=True)
+class _Result:
+    """A closure's own result type, unknown to torch's pytree."""
+
+    loss: Tensor
+    logits: Tensor
+    step: int
+    plain: Tensor
+
+
+@pytest.mark.parametrize("shape", ["tuple", "dict", "model_output", "dataclass"])
 def test_a_closure_returning_more_than_its_loss_keeps_no_graph_in_the_outcomes(shape: str) -> None:
-    """A closure may return ``(loss, logits)``, a dict or a Hugging Face ``ModelOutput``:
+    """A closure may return ``(loss, logits)``, a dict, a Hugging Face ``ModelOutput`` or a
+    dataclass of its own (a frozen one here):
     every tensor in it that carries the step's graph is kept detached (same values, no
     copy), so the history of outcomes holds no graph node; a value that carries none (an
     int, a tensor without a graph) is kept as the very object returned."""
@@ -625,6 +638,8 @@ def test_a_closure_returning_more_than_its_loss_keeps_no_graph_in_the_outcomes(s
                     return loss, logits, step, plain
                 if shape == "dict":
                     return {"loss": loss, "logits": logits, "step": step, "plain": plain}
+                if shape == "dataclass":
+                    return _Result(loss, logits, step, plain)
                 return CausalLMOutput(loss=loss, logits=logits)
 
             outcome = guard.optimizer_step(opt, closure)
@@ -638,6 +653,9 @@ def test_a_closure_returning_more_than_its_loss_keeps_no_graph_in_the_outcomes(s
         elif shape == "dict":
             loss, logits, same = result["loss"], result["logits"], result["plain"]
             assert result["step"] == step and same is plain
+        elif shape == "dataclass":
+            assert type(result) is _Result and result.step == step and result.plain is plain
+            loss, logits = result.loss, result.logits
         else:
             assert isinstance(result, CausalLMOutput)
             loss, logits = result.loss, result.logits
