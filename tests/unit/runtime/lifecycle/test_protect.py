@@ -610,6 +610,25 @@ class _Result:
     plain: Tensor
 
 
+def test_a_result_that_refers_back_to_itself_is_detached_without_recursing_for_ever() -> None:
+    """A dataclass result whose field refers back to it (a node and its parent) is
+    followed a bounded number of levels: the step gets its outcome, its own loss detached."""
+    from sdc_guard.runtime.lifecycle.guarded_step import without_graph
+
+    @dataclasses.dataclass
+    class Node:
+        loss: Tensor
+        parent: Any = None
+
+    x = torch.ones(3, requires_grad=True)
+    node = Node((x * 2).sum())
+    node.parent = node
+    kept = without_graph(node)
+    assert type(kept) is Node and kept is not node and node.loss.grad_fn is not None
+    assert kept.loss.grad_fn is None and kept.loss.item() == 6.0
+    assert kept.parent.loss.grad_fn is None  # the levels it follows are detached too
+
+
 @pytest.mark.parametrize("shape", ["tuple", "dict", "model_output", "dataclass"])
 def test_a_closure_returning_more_than_its_loss_keeps_no_graph_in_the_outcomes(shape: str) -> None:
     """A closure may return ``(loss, logits)``, a dict, a Hugging Face ``ModelOutput`` or a
