@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 import warnings
 import weakref
 from typing import Any, Callable
@@ -43,6 +42,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ...core.torch_private import OpOverload
+from ..dispatch.intercept import median_call_seconds
 
 from .function_attention import route_sdpa
 from .function_gemm import (
@@ -283,19 +283,9 @@ def function_round_trip_seconds() -> float:
 
 def _measure_function_round_trip() -> float:
     x = torch.ones(16)
-
-    def median_call() -> float:
-        times = []
-        for _ in range(300):
-            t0 = time.perf_counter()
-            torch.add(x, 1.0)
-            times.append(time.perf_counter() - t0)
-        times.sort()
-        return times[len(times) // 2]
-
-    bare = median_call()
+    bare = median_call_seconds(lambda: torch.add(x, 1.0))
     with GemmFunctionMode(compiled=True):
-        moded = median_call()
+        moded = median_call_seconds(lambda: torch.add(x, 1.0))
     return max(0.0, moded - bare)
 
 

@@ -219,21 +219,24 @@ def round_trip_seconds() -> float:
     return _round_trip[0]
 
 
+def median_call_seconds(call: Callable[[], object], reps: int = 300) -> float:
+    """The median time of ``reps`` calls of ``call``, in seconds: what the per-call rates
+    of interception (``round_trip_seconds``, ``module_hook_seconds``,
+    ``function_mode.function_round_trip_seconds``) are the differences of."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
 def _measure_round_trip() -> float:
     x = torch.ones(16)
-
-    def median_call() -> float:
-        times = []
-        for _ in range(300):
-            t0 = time.perf_counter()
-            torch.add(x, 1.0)
-            times.append(time.perf_counter() - t0)
-        times.sort()
-        return times[len(times) // 2]
-
-    bare = median_call()
+    bare = median_call_seconds(lambda: torch.add(x, 1.0))
     with BaseTorchDispatchMode():  # torch's mode that only runs each op
-        moded = median_call()
+        moded = median_call_seconds(lambda: torch.add(x, 1.0))
     return max(0.0, moded - bare)
 
 
@@ -250,20 +253,10 @@ def module_hook_seconds() -> float:
     if not _module_hook:
         module, x = nn.Identity(), torch.ones(16)
         tracker = SiteTracker(module)
-
-        def median_call() -> float:
-            times = []
-            for _ in range(300):
-                t0 = time.perf_counter()
-                module(x)
-                times.append(time.perf_counter() - t0)
-            times.sort()
-            return times[len(times) // 2]
-
-        bare = median_call()
+        bare = median_call_seconds(lambda: module(x))
         tracker.start()
         try:
-            hooked = median_call()
+            hooked = median_call_seconds(lambda: module(x))
         finally:
             tracker.stop()
         _module_hook.append(max(0.0, hooked - bare))
