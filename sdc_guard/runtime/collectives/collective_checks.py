@@ -56,7 +56,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -70,6 +70,7 @@ from ...core.collective import (
     bit_checksums, exchange_layout_digest, host, pairs_bits, segment_sums, segments,
 )
 from ..dispatch.collective_ops import OPS, Collective, Pending, describe, is_wait, run_then
+from .fsdp_groups import fsdp_module
 from .verdicts import Record, judge_all, receipt_slots, suspects, verdict
 from ..dispatch.intercept import SiteTracker
 from ..compiled.module_names import ModuleNames
@@ -203,7 +204,7 @@ class CollectiveChecks:
         # the result reaches ``_landed`` as an argument, so that neither buffer outlives the
         # caller's use of it (held to the step's close, every layer's FSDP2 all-gather output
         # and reduce-scatter input, its unsharded parameters and gradients, were alive at once)
-        record.call = replace(call, send=None, recv=None)
+        record.call = Collective(call.op, None, None, call.group, call.scale, call.functional, call.unchecked)
         try:
             return run_then(func, args, kwargs, call, lambda result: self._landed(record, result), self._pending,
                             waited=record.waited)
@@ -216,30 +217,34 @@ class CollectiveChecks:
         is fixed by the collective's shape alone, so that a rank whose checksums fail (a
         monitoring failure) still sends as many numbers as the others (NaN: unverifiable)."""
         assert call.send is not None
-        g, me, send = call.group_size, call.group_rank, call.send
-        numel = {"all_reduce": send.numel(), "reduce_scatter": send.numel() // g}.get(call.op, send.numel() * g)
-        slots = 2 * g if call.op == "all_gather" else 3 * segments(numel) * (g if call.op == "reduce_scatter" else 1)
+        op, g, me, send = call.op, call.group_size, call.group_rank, call.send
+        sent_numel, device = send.numel(), send.device
+        if op == "all_gather":
+            numel, slots = sent_numel * g, 2 * g
+        else:
+            numel = sent_numel // g if op == "reduce_scatter" else sent_numel
+            slots = 3 * segments(numel) * (g if op == "reduce_scatter" else 1)
         label, waited = self._label(call, phase)
         record = Record(call, label, phase, call_index, slots, numel, send.dtype,
-                        wide=pairs_bits(send.dtype, send.numel()), waited=waited, device=send.device)
+                        wide=pairs_bits(send.dtype, sent_numel), waited=waited, device=device)
         try:
             # one native call where it covers the tensor (backends/native.py), else torch
-            native = send.device.type == "cpu"
-            if call.op in ("all_reduce", "reduce_scatter"):
+            native = device.type == "cpu"
+            if op != "all_gather":
                 # all-reduce: [sums (segments x 2), magnitudes (segments)]; reduce-scatter:
                 # [sums (g x segments x 2), magnitudes (g x segments)]
-                rows = g if call.op == "reduce_scatter" else 1
+                rows = g if op == "reduce_scatter" else 1
                 sent = torch.empty(slots, dtype=torch.float64) if native else None
                 if sent is None or not collective_sums_into(send, sent, with_abs=True, rows=rows):
                     sums, absolute = segment_sums(send, with_abs=True, rows=rows)
                     sent = torch.cat([sums.reshape(-1), absolute.reshape(-1)])
                 if native:
                     record.landing = torch.empty((segments(numel), 2), dtype=torch.float64)
-            else:  # [g x 2]: this rank's shard in its own row, zeros elsewhere
-                sent = torch.zeros((g, 2), dtype=torch.float64, device=send.device)
-                if not (native and collective_bits_into(send, record.wide, sent[me])):
-                    sent[me] = bit_checksums(send, record.wide)[0].to(torch.float64)
-                sent = sent.reshape(-1)
+            else:  # [g x 2], flat: this rank's shard in its own row, zeros elsewhere
+                sent = torch.zeros(slots, dtype=torch.float64, device=device)
+                mine = sent[2 * me: 2 * me + 2]
+                if not (native and collective_bits_into(send, record.wide, mine)):
+                    mine.copy_(bit_checksums(send, record.wide)[0].to(torch.float64))
                 if native:
                     record.landing = torch.empty((g, 2), dtype=torch.float64)
             assert sent.numel() == slots, (call.op, sent.numel(), slots)
@@ -460,24 +465,3 @@ def _carried(records: list[Record], me: int, flags: tuple[bool, bool]) -> np.nda
         except Exception:  # left invalid (0): unjudged, as this rank leaves it unchecked
             carried[start: start + 1 + n] = 0.0
     return carried
-
-
-def fsdp_module(max_depth: int = 30) -> Any:
-    """The first module of the FSDP2 parameter group whose all-gather or reduce-scatter is
-    running, found on the calling Python stack (``FSDPParamGroup.unshard`` /
-    ``post_backward`` hold it as ``self``, its modules as ``self.modules``); ``None`` when
-    there is none (a DDP bucket, a plain call). Best effort: a torch release that renames
-    these leaves collectives labelled by position."""
-    try:
-        frame = sys._getframe(1)
-    except ValueError:
-        return None
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self") if frame.f_code.co_name in ("unshard", "post_backward") else None
-        if owner is not None and type(owner).__name__ == "FSDPParamGroup":
-            modules = getattr(owner, "modules", None)
-            return modules[0] if modules else None
-        frame = frame.f_back
-    return None

@@ -60,7 +60,38 @@ class Record:
     landing: Tensor | None = None
     failed: str | None = None
     seconds: float = 0.0  #: the receiver's checksums (on the backend's thread)
-    landed: threading.Event = field(default_factory=threading.Event)
+    landed: "Latch" = field(default_factory=lambda: Latch())
+
+
+class Latch:
+    """Set once, when a record's result has landed (on the backend's thread, or the
+    waiting one); ``wait`` blocks until then. What ``threading.Event`` does for this one
+    use, for a tenth of its cost to make (a lock taken at creation, not a condition):
+    a step makes one per checked collective."""
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._set = False
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            self._lock.release()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether it was set, within ``timeout`` seconds (``None``: for as long as it takes)."""
+        if self._set:
+            return True
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            return self._set
+        self._lock.release()
+        return True
 
 
 def receipt_slots(r: Record) -> int:
@@ -82,6 +113,8 @@ def judge_all(records: list[Record], blocks: list[ArrayLike], carried: ArrayLike
     step_flags = (carried[: 2 * g].reshape(g, 2) > 0.5).tolist()  # one read, not one per rank
     flagged = {ranks[k] for k in range(g) if step_flags[k][0]}
     tripped = sorted(ranks[k] for k in range(g) if step_flags[k][1])
+    if _all_clear(records, blocks, carried, g):  # nearly every step: nothing to judge alone
+        return [], (sorted(flagged), tripped)
     offset, receipts, mine = 2 * g, [], []
     for r, block in zip(records, blocks):
         width = 1 + receipt_slots(r)
@@ -96,6 +129,91 @@ def judge_all(records: list[Record], blocks: list[ArrayLike], carried: ArrayLike
             if k == me:
                 mine.append(detection)
     return mine, (sorted(flagged), tripped)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Where a layout of records puts each number ``judge_all`` compares, as indices into
+    the senders' blocks end to end (``sent``) and into the carried part (``carried``):
+    every receipt's validity slot, the all-gathers' shard sums as sent and as received,
+    and per kind of reduction (dtype, group size, scale) the receivers' segment sums,
+    the senders' and their magnitudes, with the segments' sizes."""
+
+    valid: np.ndarray
+    gather_sent: np.ndarray
+    gather_received: np.ndarray
+    reductions: tuple[tuple[tuple[Any, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray], ...]
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(layout: tuple[tuple[str, int, int, Any, int], ...], g: int) -> _Plan:
+    """The ``_Plan`` of records ``(op, numel, slots, dtype, scale)`` exchanged in a group of
+    ``g``: a step's layout comes back every step, so it is worked out once."""
+    valid, gather_sent, gather_received = [], [], []
+    reductions: dict[tuple[Any, ...], tuple[list, list, list, list]] = {}
+    block, offset = 0, 2 * g
+    for op, numel, slots, dtype, scale in layout:
+        n = 2 * g if op == "all_gather" else 2 * segments(numel)
+        width = 1 + n
+        for k in range(g):
+            row = offset + k * width
+            valid.append(row)
+            received = np.arange(row + 1, row + 1 + n)
+            if op == "all_gather":
+                gather_sent.append(np.arange(block, block + n))
+                gather_received.append(received)
+                continue
+            nseg = n // 2
+            if op == "all_reduce":
+                sums, magnitudes = block, block + 2 * nseg
+            else:
+                sums, magnitudes = block + 2 * nseg * k, block + 2 * g * nseg + nseg * k
+            kind = reductions.setdefault((dtype, g, scale), ([], [], [], []))
+            kind[0].append(received)
+            kind[1].append(np.arange(sums, sums + 2 * nseg))
+            kind[2].append(np.arange(magnitudes, magnitudes + nseg))
+            kind[3].append(segment_sizes(numel))
+        offset += g * width
+        block += slots
+    return _Plan(np.array(valid, dtype=np.int64), _joined(gather_sent), _joined(gather_received),
+                 tuple((key, _joined(r), _joined(e), _joined(m), np.concatenate(z))
+                       for key, (r, e, m, z) in reductions.items()))
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _all_clear(records: list[Record], blocks: list[ArrayLike], carried: np.ndarray, g: int) -> bool:
+    """Whether every receipt of the carrier's exchange passes, every rank having taken
+    its own: ``judge_all``'s comparisons in one pass over the whole exchange (``_plan``).
+    ``False`` sends the step to the record-by-record path, which judges what this pass
+    cannot clear (a mismatch, a receipt a rank could not take, numbers that do not line
+    up). Why: that path is a few dozen numpy operations per record and receiver, each
+    costing its call rather than its arithmetic; this is a few per step (issue 35)."""
+    try:
+        layout = tuple((r.call.op, r.numel, r.slots, r.dtype, r.call.scale) for r in records)
+        sent = np.concatenate([host(b).reshape(-1) for b in blocks]) if blocks else np.zeros(0)
+        expected_size = 2 * g + g * sum(1 + receipt_slots(r) for r in records)
+        if sent.size != sum(r.slots for r in records) or carried.size != expected_size:
+            return False
+        return _passes(_plan(layout, g), sent, carried)
+    except (ValueError, IndexError, TypeError):  # numbers of another shape: judged one by one
+        return False
+
+
+def _passes(plan: _Plan, sent: np.ndarray, carried: np.ndarray) -> bool:
+    if not bool((carried[plan.valid] > 0.5).all()):
+        return False
+    if plan.gather_sent.size:
+        expected = sent[plan.gather_sent]
+        if bool(((carried[plan.gather_received] != expected) & np.isfinite(expected)).any()):
+            return False
+    for (dtype, size, scale), received, sums, magnitudes, sizes in plan.reductions:
+        if not reduction_clear(carried[received].reshape(-1, 2), sent[sums].reshape(-1, 2), sent[magnitudes],
+                               sizes, dtype, size, scale):
+            return False
+    return True
 
 
 def suspects(checked: list[tuple[Record, ArrayLike]]) -> list[tuple[Record, ArrayLike]]:

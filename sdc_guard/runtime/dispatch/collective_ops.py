@@ -141,7 +141,7 @@ def describe(func: Any, args: tuple, kwargs: dict) -> Collective | None:
             sparse = args[3] if len(args) > 3 else kwargs.get("sparse_indices")
             if len(tensors) != 1 or sparse is not None:
                 return Collective(_name(packet), None, None, group, unchecked="tensor list")
-            t = tensors[0].reshape(-1) if tensors[0].is_contiguous() else tensors[0]
+            t = _flat(tensors[0])
             return _made("all_reduce", t, t, group, op, [tensors[0]])
         if kind == "_allgather_base_":
             out, inp, group = args[0], args[1], _group(args[2])
@@ -188,7 +188,8 @@ def _kinds() -> dict[Any, str]:
 
 
 def _flat(t: Tensor) -> Tensor:
-    return t.reshape(-1) if t.is_contiguous() else t
+    # a flat tensor as it is: FSDP2's buffers are, and a reshape costs microseconds
+    return t if t.dim() == 1 or not t.is_contiguous() else t.reshape(-1)
 
 
 def _made(op: str, send: Tensor, recv: Tensor | None, group: Any, kind: int | None, tensors: list[Tensor],

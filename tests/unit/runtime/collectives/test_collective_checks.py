@@ -31,7 +31,7 @@ from sdc_guard.core.collective import (  # noqa: E402
 )
 from sdc_guard.metrics import GuardMetrics  # noqa: E402
 from sdc_guard.runtime.collectives.collective_checks import CollectiveChecks, CollectiveResult, _carried  # noqa: E402
-from sdc_guard.runtime.collectives.verdicts import Record, judge_all, suspects  # noqa: E402
+from sdc_guard.runtime.collectives.verdicts import Record, _all_clear, judge_all, suspects  # noqa: E402
 from sdc_guard.runtime.collectives.verdicts import verdict as collective_verdict  # noqa: E402
 from sdc_guard.runtime.dispatch.collective_ops import Collective  # noqa: E402
 from sdc_guard.runtime.dispatch.ops import Route, route_of  # noqa: E402
@@ -635,16 +635,24 @@ def test_records_that_cannot_be_compared_at_once_go_to_their_own_verdicts() -> N
     assert id(first) in found and id(second) in found
 
 
-def _merged(g: int, flags: list[tuple[bool, bool]], corrupt: dict[int, int] | None = None) -> list[CollectiveResult]:
-    """The carrier's verdicts as each of ``g`` ranks makes them: every rank's ``_carried``
-    part added (what the all-reduce gives every rank), then judged by each. ``corrupt``:
-    record index -> the rank whose receipt of it is wrong."""
+def _merged_exchange(g: int, flags: list[tuple[bool, bool]], corrupt: dict[int, int] | None = None
+                     ) -> tuple[list[list[tuple[Record, torch.Tensor]]], np.ndarray]:
+    """Each of ``g`` ranks' records and blocks, and the carried part of the world's
+    exchange as the all-reduce gives it to every rank (every rank's ``_carried`` added).
+    ``corrupt``: record index -> the rank whose receipt of it is wrong."""
     held = [_records(g, me) for me in range(g)]
     for k, rank in (corrupt or {}).items():
         r = held[rank][k][0]
         r.received = r.received.clone()
         r.received.view(-1)[-1] += 1.0 if r.call.op != "all_gather" else 1
-    carried = sum(_carried([r for r, _ in held[me]], me, flags[me]) for me in range(g))
+    return held, sum(_carried([r for r, _ in held[me]], me, flags[me]) for me in range(g))
+
+
+def _merged(g: int, flags: list[tuple[bool, bool]], corrupt: dict[int, int] | None = None) -> list[CollectiveResult]:
+    """The carrier's verdicts as each of ``g`` ranks makes them: every rank's ``_carried``
+    part added (what the all-reduce gives every rank), then judged by each. ``corrupt``:
+    record index -> the rank whose receipt of it is wrong."""
+    held, carried = _merged_exchange(g, flags, corrupt)
     results = []
     for me in range(g):
         result = CollectiveResult()
@@ -680,6 +688,35 @@ def test_every_rank_judges_every_ranks_receipts_alike_from_the_merged_exchange(g
                                               for r, _ in held[0])
     mine, agreed = judge_all([r for r, _ in held[0]], [b for _, b in held[0]], carried, 3, list(range(g)), 0)
     assert (mine, agreed) == ([], ([], []))
+
+
+@pytest.mark.parametrize("g", [2, 4])
+def test_one_pass_over_the_merged_exchange_clears_a_clean_step_and_nothing_else(g: int) -> None:
+    """``judge_all``'s one pass over the whole exchange (``_all_clear``, on the layout's
+    cached indices) clears a clean step, with every kind of collective in it, and
+    declines a wrong receipt of any record on any rank, a receipt a rank could not take,
+    and an exchange whose size does not match its records: each goes to the
+    record-by-record verdicts (which the test above checks find them)."""
+    quiet = [(False, False)] * g
+    held, carried = _merged_exchange(g, quiet)
+    records, blocks = [r for r, _ in held[0]], [b for _, b in held[0]]
+    assert {r.call.op for r in records} == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert _all_clear(records, blocks, carried, g) is True
+    assert _all_clear(records, blocks, carried, g) is True  # the cached layout, a second step
+    for k in range(len(records)):
+        for rank in (0, g - 1):
+            held, carried = _merged_exchange(g, quiet, corrupt={k: rank})
+            assert _all_clear([r for r, _ in held[0]], [b for _, b in held[0]], carried, g) is False, (k, rank)
+        held, carried = _merged_exchange(g, quiet)  # a sender's block wrong: every receipt of it disagrees
+        wrong = [b.clone() for _, b in held[0]]
+        wrong[k].view(-1)[0] += 1.0
+        assert _all_clear(records, wrong, carried, g) is False, k
+    held = [_records(g, me) for me in range(g)]
+    held[1][0][0].failed = "checksums raised"
+    carried = sum(_carried([r for r, _ in held[me]], me, quiet[me]) for me in range(g))
+    assert _all_clear([r for r, _ in held[0]], [b for _, b in held[0]], carried, g) is False
+    held, carried = _merged_exchange(g, quiet)
+    assert _all_clear([r for r, _ in held[0]], [b for _, b in held[0]], carried[:-1], g) is False
 
 
 def _all_reducing_closure(model: torch.nn.Module, opt: torch.optim.Optimizer):
@@ -756,3 +793,23 @@ def test_optimizer_step_agrees_its_flags_in_the_exchange_in_one_process(one_rank
     with sdc_guard.protect(model, collectives=False, calibrate_every=None) as guard:
         assert not guard.optimizer_step(opt, closure).flagged_ranks
         assert guard.agreed_flags is None
+
+
+def test_a_records_landing_latch_waits_until_set_from_another_thread() -> None:
+    """``Record.landed`` (a ``Latch``): ``close`` waits on it for a result landing on the
+    backend's thread; unset it times out, set it releases every wait, at once after."""
+    import threading
+    import time
+
+    from sdc_guard.runtime.collectives.verdicts import Latch
+
+    latch = Latch()
+    assert not latch.is_set() and latch.wait(0.01) is False
+    setter = threading.Timer(0.05, latch.set)
+    setter.start()
+    started = time.perf_counter()
+    assert latch.wait(5.0) is True and latch.is_set()
+    assert 0.03 < time.perf_counter() - started < 4.0
+    latch.set()  # a second set changes nothing
+    assert latch.wait(0.0) is True and latch.wait() is True
+    setter.join()
