@@ -42,7 +42,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ...core.torch_private import OpOverload
-from ..dispatch.intercept import median_call_seconds
+from ..dispatch.intercept import extra_call_seconds
 
 from .function_attention import route_sdpa
 from .function_gemm import (
@@ -263,8 +263,8 @@ _function_round_trip: list[float] = []
 
 def function_round_trip_seconds() -> float:
     """What the compiled route's function mode adds to one torch function call on this
-    machine, in seconds: measured once per process (a 16-element ``add``, 300 times bare
-    and 300 times under a ``GemmFunctionMode``, the difference of the medians), on a thread
+    machine, in seconds: measured once per process (a 16-element ``add``, bare and under a
+    ``GemmFunctionMode`` in turn, ``intercept.extra_call_seconds``), on a thread
     of its own, whose mode stacks are empty (the guard's mode is on the calling thread's
     when a step closes). Why: most of the calls the mode sees on that route are not GEMMs
     but the tensor methods AOT autograd's runtime wrappers call (``_is_view``,
@@ -283,10 +283,7 @@ def function_round_trip_seconds() -> float:
 
 def _measure_function_round_trip() -> float:
     x = torch.ones(16)
-    bare = median_call_seconds(lambda: torch.add(x, 1.0))
-    with GemmFunctionMode(compiled=True):
-        moded = median_call_seconds(lambda: torch.add(x, 1.0))
-    return max(0.0, moded - bare)
+    return extra_call_seconds(lambda: torch.add(x, 1.0), lambda: GemmFunctionMode(compiled=True))
 
 
 def _eager_when_called_eagerly(code: Any) -> bool:

@@ -17,9 +17,10 @@ the encoding of its good value (``sdc_guard.runtime.checking.cache``).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import torch
 from torch import Tensor
@@ -207,8 +208,8 @@ _round_trip: list[float] = []
 
 def round_trip_seconds() -> float:
     """What a dispatch mode's Python round trip adds to one aten op on this machine, in
-    seconds: measured once per process (a 16-element ``add``, 300 times bare and 300 times
-    under an empty mode, the difference of the medians). The guard charges it per op it
+    seconds: measured once per process (a 16-element ``add``, bare and under an empty mode
+    in turn, ``extra_call_seconds``). The guard charges it per op it
     intercepts, so that its reported cost includes interception, not only verification
     (docs/ALGORITHM.md is silent on costs; sdc_guard.runtime.lifecycle.ledger says how they are added).
     Measured with every mode on the stack set aside (the guard's own among them: it is
@@ -220,9 +221,10 @@ def round_trip_seconds() -> float:
 
 
 def median_call_seconds(call: Callable[[], object], reps: int = 300) -> float:
-    """The median time of ``reps`` calls of ``call``, in seconds: what the per-call rates
-    of interception (``round_trip_seconds``, ``module_hook_seconds``,
-    ``function_mode.function_round_trip_seconds``) are the differences of."""
+    """The median time of ``reps`` calls of ``call``, in seconds: each side of
+    ``extra_call_seconds``, which the per-call rates of interception
+    (``round_trip_seconds``, ``module_hook_seconds``,
+    ``function_mode.function_round_trip_seconds``) are measured by."""
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -232,12 +234,29 @@ def median_call_seconds(call: Callable[[], object], reps: int = 300) -> float:
     return times[len(times) // 2]
 
 
+def extra_call_seconds(call: Callable[[], object], context: Callable[[], ContextManager[object]],
+                       blocks: int = 15, reps: int = 40) -> float:
+    """What running ``call`` inside ``context()`` adds to it, in seconds, never below 0:
+    the median over ``blocks`` rounds of (the median of ``reps`` calls inside a fresh
+    ``context()``) minus (the median of ``reps`` bare calls), the two sides taken in turn.
+    Why in turn: a VM's clock changes speed for seconds at a time (a bare 16-element add
+    measured at 3.8 us, then at 7.7 us on a 2-vCPU VM); measured one side after the other,
+    300 calls each, a slow spell on one side only made the rate 0 or three times too large
+    in about one process of five there."""
+    differences = []
+    for _ in range(blocks):
+        bare = median_call_seconds(call, reps)
+        with context():
+            inside = median_call_seconds(call, reps)
+        differences.append(inside - bare)
+    differences.sort()
+    return max(0.0, differences[len(differences) // 2])
+
+
 def _measure_round_trip() -> float:
     x = torch.ones(16)
-    bare = median_call_seconds(lambda: torch.add(x, 1.0))
-    with BaseTorchDispatchMode():  # torch's mode that only runs each op
-        moded = median_call_seconds(lambda: torch.add(x, 1.0))
-    return max(0.0, moded - bare)
+    # torch's mode that only runs each op
+    return extra_call_seconds(lambda: torch.add(x, 1.0), BaseTorchDispatchMode)
 
 
 _module_hook: list[float] = []
@@ -245,21 +264,23 @@ _module_hook: list[float] = []
 
 def module_hook_seconds() -> float:
     """What the site tracker's pair of forward hooks adds to one module call on this
-    machine, in seconds: measured once per process (an ``nn.Identity`` called 300 times
-    bare and 300 times with a site tracker's hooks on it, the difference of the
-    medians). A module with hooks leaves ``nn.Module``'s fast call path, which costs more
+    machine, in seconds: measured once per process (an ``nn.Identity`` called bare and
+    with a site tracker's hooks on it in turn, ``extra_call_seconds``). A module with hooks leaves ``nn.Module``'s fast call path, which costs more
     than the hooks' own bodies; the guard charges this per module call it tracked
     (``SiteTracker.calls``)."""
     if not _module_hook:
         module, x = nn.Identity(), torch.ones(16)
         tracker = SiteTracker(module)
-        bare = median_call_seconds(lambda: module(x))
-        tracker.start()
-        try:
-            hooked = median_call_seconds(lambda: module(x))
-        finally:
-            tracker.stop()
-        _module_hook.append(max(0.0, hooked - bare))
+
+        @contextlib.contextmanager
+        def hooked() -> Iterator[None]:
+            tracker.start()
+            try:
+                yield
+            finally:
+                tracker.stop()
+
+        _module_hook.append(extra_call_seconds(lambda: module(x), hooked))
     return _module_hook[0]
 
 

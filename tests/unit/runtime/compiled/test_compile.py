@@ -143,7 +143,10 @@ def test_the_compiled_routes_function_mode_calls_are_charged_to_the_step_as_an_e
         assert report.intercepted_ops == 0 and report.seen == GPT_GEMMS
         assert report.function_mode_calls > GPT_GEMMS  # each check op is one, and each graph op
         assert report.interception_estimate_seconds == pytest.approx(report.function_mode_calls * rate)
-        assert report.interception_seconds == pytest.approx(report.interception_estimate_seconds)
+        # the estimate as charged, unless it alone would exceed the step (then the step, all of it)
+        assert report.interception_seconds == pytest.approx(report.interception_estimate_seconds) or (
+            report.interception_seconds < report.interception_estimate_seconds
+            and report.guard_seconds == pytest.approx(report.step_seconds))
         assert report.guard_seconds >= report.verify_seconds + report.interception_seconds - 1e-12
         assert not report.overhead_calibrated and report.interception_factor is None
     assert len({r.function_mode_calls for r in reports[2:]}) == 1  # the counts restart each step
